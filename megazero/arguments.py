@@ -1,0 +1,92 @@
+"""Command line + YAML -> ``Config``. Precedence: defaults < ``--config FILE.yaml`` < flags.
+
+The parser is generated from the config dataclasses' field metadata, so a
+new field is a new flag with no second list to keep in sync.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import types
+import typing
+from dataclasses import MISSING, fields
+from typing import Any, Sequence
+
+import yaml
+
+from .config import SECTIONS, Config, ConfigError, flag
+
+
+def _scalar_type(annotation: Any) -> tuple[type, bool]:
+    """(element type, is_list) of an annotation such as ``int | None`` or ``list[str] | None``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return _scalar_type(args[0])
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0], True
+    return annotation, False
+
+
+def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
+    kind, is_list = _scalar_type(annotation)
+    names = [flag(f.name), *f.metadata.get("aliases", ())]
+    default = f.default if f.default is not MISSING else None
+    helptext = f"{f.metadata['help']} (default: {default})"
+    if kind is bool:
+        group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=helptext)
+        return
+    group.add_argument(*names, dest=f.name, type=kind, nargs="+" if is_list else None,
+                       choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=helptext)
+
+
+def build_parser(prog: str = "pretrain_gpt.py", extra: Sequence[tuple[str, dict]] = ()) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Pretrain a GPT-style model with TP x PP x DP.",
+                                     allow_abbrev=False)
+    parser.add_argument("--config", help="YAML preset; its keys are the flag names with underscores.")
+    for name, kwargs in extra:
+        parser.add_argument(name, **kwargs)
+    for section, klass in SECTIONS.items():
+        group = parser.add_argument_group(section)
+        hints = typing.get_type_hints(klass)
+        for f in fields(klass):
+            _add_field(group, f, hints[f.name])
+    return parser
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Flat mapping of settings from a preset; nested section mappings are flattened."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config file {path!r} does not exist; pass the path of a YAML preset "
+                          f"such as configs/tiny.yaml.")
+    with open(path) as fh:
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--config file {path!r} is not valid YAML ({err.__class__.__name__}); fix its syntax.")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config file {path!r} must hold a mapping of setting: value.")
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py",
+                 extra: Sequence[tuple[str, dict]] = ()) -> tuple[Config, argparse.Namespace]:
+    """Parse flags (and the YAML they name) into a validated ``Config`` plus the extra options."""
+    parser = build_parser(prog, extra)
+    ns = parser.parse_args(argv)
+    settings = load_yaml(ns.config) if ns.config else {}
+    extra_names = {e[1].get("dest") or e[0].lstrip("-").replace("-", "_") for e in extra}
+    for key, value in vars(ns).items():
+        if key != "config" and key not in extra_names:
+            settings[key] = value
+    try:
+        config = Config.from_flat(settings)
+    except TypeError as err:  # a YAML value of the wrong kind reaching a validator
+        raise ConfigError(f"a setting has the wrong type ({err}); check --config and the flags.") from None
+    return config, ns

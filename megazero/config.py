@@ -1,0 +1,238 @@
+"""Typed run configuration: one dataclass per concern, validated when built.
+
+Every field carries its CLI flag names and help text in its metadata, so the
+argument parser (``megazero.arguments``) is generated from these classes and
+YAML presets load into the very same fields. Flags use Megatron-LM's long
+names; a few have short aliases (``--tp``, ``--pp``). Bad values raise
+``ConfigError`` (a ``ValueError``) with one sentence naming the flag and the fix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the flag and the fix."""
+
+
+def opt(default: Any, help: str, *aliases: str, choices: tuple | None = None) -> Any:
+    """A dataclass field with CLI metadata; the first flag is derived from the name."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (ranks per TP group, inside a node).", "--tp")
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp")
+    zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients.",
+                    choices=(0, 1, 2))
+    sequence_parallel: bool = opt(False, "Shard LayerNorm/dropout regions along the sequence across TP ranks.")
+    pipeline_schedule: str = opt("1f1b", "Pipeline schedule; 'interleaved' needs virtual stages.",
+                                 choices=("gpipe", "1f1b", "interleaved"))
+    num_layers_per_virtual_pipeline_stage: int | None = opt(
+        None, "Layers per virtual stage (model chunk) for the interleaved schedule; None = one chunk per rank.")
+
+    def __post_init__(self) -> None:
+        _require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
+        _require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
+        _require(self.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {self.zero}.")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    arch: str = opt("gpt2", "Model family: gpt2 (learned positions, LayerNorm, GELU, tied embeddings, biases) "
+                    "or llama (RoPE, RMSNorm, SwiGLU, no biases, GQA).", choices=("gpt2", "llama"))
+    num_layers: int = opt(4, "Number of transformer blocks.")
+    hidden_size: int = opt(256, "Model width.")
+    num_attention_heads: int = opt(4, "Attention heads.")
+    num_query_groups: int | None = opt(None, "Key/value heads for grouped-query attention; None = one per head.")
+    ffn_hidden_size: int | None = opt(None, "MLP width; None = 4*hidden (gpt2) or 8/3*hidden rounded to 64 (llama).")
+    seq_length: int = opt(128, "Tokens per training sample.")
+    max_position_embeddings: int | None = opt(None, "Learned position table size (gpt2); None = --seq-length.")
+    vocab_size: int | None = opt(None, "Tokenizer vocabulary; None = taken from the tokenizer.")
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times --tp.")
+    hidden_dropout: float = opt(0.0, "Dropout after attention and MLP outputs and on embeddings.")
+    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
+    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.")
+    rotary_base: float = opt(10000.0, "RoPE base frequency (llama).")
+    untie_embeddings_and_output_weights: bool | None = opt(
+        None, "Separate output head; None = tied for gpt2, untied for llama.")
+    init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).")
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        _require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
+        _require(self.hidden_size % self.num_attention_heads == 0,
+                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
+                 f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension.")
+        groups = self.query_groups
+        _require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
+                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
+                 f"({groups}); use a divisor of the head count.")
+        _require(0.0 <= self.hidden_dropout < 1 and 0.0 <= self.attention_dropout < 1,
+                 "--hidden-dropout and --attention-dropout must be in [0, 1).")
+        _require(self.position_table_size >= self.seq_length,
+                 f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
+                 f"({self.seq_length}).")
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.arch == "gpt2":
+            return 4 * self.hidden_size
+        return 64 * -(-(8 * self.hidden_size // 3) // 64)
+
+    @property
+    def tied_embeddings(self) -> bool:
+        untie = self.untie_embeddings_and_output_weights
+        return (self.arch == "gpt2") if untie is None else not untie
+
+    @property
+    def position_table_size(self) -> int:
+        return self.max_position_embeddings or self.seq_length
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocabulary rounded up so every TP rank holds an equal, aligned slice."""
+        assert self.vocab_size is not None, "vocab_size is set from the tokenizer before the model is built"
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    lr: float = opt(3e-4, "Peak learning rate.")
+    min_lr: float = opt(0.0, "Learning rate at the end of decay.")
+    lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
+    lr_warmup_fraction: float | None = opt(None, "Warm-up as a fraction of --lr-decay-iters (overrides iters).")
+    lr_decay_iters: int | None = opt(None, "Iterations over which the LR decays; None = --train-iters.")
+    lr_decay_style: str = opt("cosine", "LR decay shape.", choices=("constant", "linear", "cosine", "wsd"))
+    lr_wsd_decay_fraction: float = opt(0.2, "For wsd: fraction of decay iterations spent in the final decay.")
+    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and norm weights).")
+    adam_beta1: float = opt(0.9, "AdamW beta1.")
+    adam_beta2: float = opt(0.95, "AdamW beta2.")
+    adam_eps: float = opt(1e-8, "AdamW epsilon.")
+    clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.")
+
+    def __post_init__(self) -> None:
+        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0.")
+        _require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
+        _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping).")
+        _require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
+                                      "None = the embedded default corpus.")
+    tokenizer_model: str | None = opt(None, "Sentencepiece model file; None = the default corpus's tokenizer.")
+    split: str = opt("969,30,1", "Train/valid/test proportions of the documents.")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    micro_batch_size: int = opt(4, "Samples per micro-batch per data-parallel rank.")
+    global_batch_size: int = opt(16, "Samples per optimizer step over all data-parallel ranks.")
+    train_iters: int = opt(100, "Optimizer steps to run.")
+    seed: int = opt(1234, "Seed for weights, data order and dropout.")
+    device: str = opt("auto", "cpu, cuda, or auto (cuda when available).", choices=("auto", "cpu", "cuda"))
+    bf16: bool = opt(False, "bf16 compute weights with fp32 master weights.")
+    fp16: bool = opt(False, "fp16 compute weights with fp32 master weights and dynamic loss scaling.")
+    eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.")
+    eval_iters: int = opt(2, "Global batches per evaluation.")
+
+    def __post_init__(self) -> None:
+        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
+            _require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; pick one.")
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = opt(10, "Print and record metrics every N iterations.")
+    metrics_file: str | None = opt(None, "Append one JSON object per logged iteration to this file.")
+
+    def __post_init__(self) -> None:
+        _require(self.log_interval >= 1, "--log-interval must be >= 1.")
+
+
+SECTIONS: dict[str, type] = {
+    "parallel": ParallelConfig,
+    "model": ModelConfig,
+    "optimizer": OptimizerConfig,
+    "data": DataConfig,
+    "training": TrainingConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run. Built from flat ``{field: value}`` settings by ``Config.from_flat``."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @classmethod
+    def from_flat(cls, settings: dict[str, Any]) -> "Config":
+        """Route each flat key to its section; an unknown key is an error naming it."""
+        owners = {f.name: section for section, klass in SECTIONS.items() for f in fields(klass)}
+        per_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+        for key, value in settings.items():
+            name = key.replace("-", "_")
+            _require(name in owners, f"unknown setting {key!r}; see `pretrain_gpt.py --help` for the names.")
+            per_section[owners[name]][name] = value
+        return cls(**{section: SECTIONS[section](**kw) for section, kw in per_section.items()})
+
+    def to_flat(self) -> dict[str, Any]:
+        return {f.name: getattr(getattr(self, s), f.name) for s, k in SECTIONS.items() for f in fields(k)}
+
+    def check_batch(self, dp: int) -> int:
+        """Micro-batches per step for this DP size; raises unless the batch splits evenly."""
+        t = self.training
+        _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+                 f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+                 f"({t.micro_batch_size}) x data-parallel size ({dp}); adjust one of them.")
+        return t.global_batch_size // (t.micro_batch_size * dp)
+
+    def check_tensor_parallel(self) -> None:
+        """The model must split evenly over TP ranks (heads, query groups, MLP width)."""
+        tp, m = self.parallel.tp, self.model
+        for what, value in (("--num-attention-heads", m.num_attention_heads),
+                            ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size),
+                            ("--hidden-size", m.hidden_size)):
+            _require(value % tp == 0, f"{what} ({value}) must be divisible by --tensor-model-parallel-size "
+                                      f"({tp}); choose a --tp that divides it.")
+        _require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,
+                 f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp}) with --sequence-parallel.")

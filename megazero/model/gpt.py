@@ -1,0 +1,120 @@
+"""The decoder-only language model, or the slice of it one pipeline stage holds.
+
+A stage owns a range of global layer indices; blocks are stored under those
+indices (``layers.5.mlp.fc1.weight``), so a parameter's name, and therefore
+its seeded initial value, does not depend on the pipeline split. The first
+stage embeds tokens; the last stage holds the final norm, the output head
+and the loss. With tied embeddings (gpt2) a last stage that is not also the
+first keeps its own copy of the word embedding under the same name, kept
+equal to the first stage's by summing their gradients over the embedding group.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..tensor_parallel.comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                                    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region)
+from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, set_spec, spec_of
+from .transformer import TPContext, TransformerBlock, make_norm
+
+
+class Embedding(nn.Module):
+    """Token (vocab-parallel) plus, for gpt2, learned position embeddings -> [s, b, h]."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, padded_vocab: int, with_positions: bool) -> None:
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.word = VocabParallelEmbedding(padded_vocab, cfg.hidden_size, tp_group=ctx.group,
+                                           valid_rows=cfg.vocab_size, init_std=cfg.init_method_std)
+        self.position = None
+        if with_positions:
+            self.position = nn.Embedding(cfg.position_table_size, cfg.hidden_size)
+            set_spec(self.position.weight, init_std=cfg.init_method_std)
+
+    def forward(self, ids_bs: torch.Tensor) -> torch.Tensor:
+        x = self.word(ids_bs)
+        if self.position is not None:
+            x = x + self.position.weight[: ids_bs.shape[1]].unsqueeze(1)
+        if self.ctx.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.ctx.group)
+        if self.training and self.cfg.hidden_dropout > 0:
+            with self.ctx.fork_rng() if self.ctx.sequence_parallel else contextlib.nullcontext():
+                x = F.dropout(x, self.cfg.hidden_dropout)
+        return x
+
+
+class GPTModel(nn.Module):
+    """Layers ``layer_ids`` of the model; ``pre_process``/``post_process`` mark the first/last stage."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, *, layer_ids: range | None = None,
+                 pre_process: bool = True, post_process: bool = True) -> None:
+        super().__init__()
+        assert cfg.vocab_size is not None, "set cfg.vocab_size from the tokenizer first"
+        self.cfg, self.ctx = cfg, ctx
+        self.pre_process, self.post_process = pre_process, post_process
+        self.padded_vocab = cfg.padded_vocab_size(ctx.size)
+        layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.layer_ids = layer_ids
+        tied = cfg.tied_embeddings
+        self.embedding = None
+        if pre_process or (post_process and tied):
+            self.embedding = Embedding(cfg, ctx, self.padded_vocab, with_positions=pre_process and cfg.arch == "gpt2")
+            if not pre_process:
+                self.embedding.word.weight.is_embedding_copy = True  # counted once, on the first stage
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx) for i in layer_ids})
+        if post_process:
+            self.final_norm = make_norm(cfg, ctx)
+            if not tied:
+                self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp_group=ctx.group,
+                                                   bias=False, init_std=cfg.init_method_std)
+                spec_of(self.output.weight).valid_rows = cfg.vocab_size
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embedding.word.weight if self.cfg.tied_embeddings else self.output.weight
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
+
+        Returns hidden states on non-last stages, the mean token loss when ``labels`` [b, s]
+        are given on the last stage, and vocab-sharded logits [s, b, V/tp] otherwise.
+        """
+        x = self.embedding(inputs) if self.pre_process else inputs
+        for layer in self.layers.values():
+            x = layer(x)
+        if not self.post_process:
+            return x
+        logits = self.logits_local(self.final_norm(x))
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
+
+    def logits_local(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ctx.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.ctx.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.ctx.group)
+        return F.linear(x, self.output_weight)
+
+    @torch.no_grad()
+    def full_logits(self, ids_bs: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [b, s, V] (padding dropped): for evaluation and conversion, not training."""
+        assert self.pre_process and self.post_process, "full_logits needs the whole model on one stage"
+        logits = gather_from_tensor_parallel_region(self.forward(ids_bs), self.ctx.group)
+        return logits[..., : self.cfg.vocab_size].transpose(0, 1)
+
+
+def count_parameters(model: nn.Module, tp: int = 1) -> int:
+    """Parameters of the full model represented by this module (TP slices scaled back up)."""
+    total = 0
+    for p in model.parameters():
+        if getattr(p, "is_embedding_copy", False):
+            continue
+        total += p.numel() * (tp if spec_of(p).split_dim is not None else 1)
+    return total

@@ -1,0 +1,149 @@
+"""One transformer block for both families, built from tensor-parallel layers.
+
+Legend: s sequence, b batch, h hidden, n heads on this rank, g query groups
+(key/value heads) on this rank, x = heads per group + 2 (its q heads, k, v),
+d head dim. Activations between blocks are [s, b, h] ([s/tp, b, h] with
+sequence parallelism).
+
+The fused QKV weight is laid out group by group - [q heads of group 0, k0,
+v0, q heads of group 1, ...] - so a contiguous TP slice holds whole groups
+and the full (TP=1) layout does not depend on the TP size.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from ..parallel.state import group_size
+from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
+from ..tensor_parallel.random import TensorParallelRNG
+
+
+@dataclass
+class TPContext:
+    """What a block needs to know about tensor parallelism."""
+
+    group: object = None  # the TP process group; None for TP=1
+    sequence_parallel: bool = False
+    rng: TensorParallelRNG | None = None
+
+    @property
+    def size(self) -> int:
+        return group_size(self.group)
+
+    def fork_rng(self):
+        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+
+
+def make_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
+    """LayerNorm (gpt2) or RMSNorm (llama); replicated, with SP-partial grads under sequence parallelism."""
+    if cfg.arch == "gpt2":
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    else:
+        norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_epsilon)
+    for name, p in norm.named_parameters():
+        set_spec(p, sequence_parallel=ctx.sequence_parallel, init_value=1.0 if name == "weight" else 0.0)
+    return norm
+
+
+def rotary_cos_sin(seq_len: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [s, d] for rotate-half RoPE (the layout HF Llama uses)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x_bnsd.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x_bnsd.float() * cos + rotated.float() * sin).to(x_bnsd.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
+        qkv_features = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        bias = cfg.arch == "gpt2"
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_features, tp_group=ctx.group, bias=bias,
+                                        sequence_parallel=ctx.sequence_parallel, init_std=cfg.init_method_std)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp_group=ctx.group,
+                                      bias=bias, sequence_parallel=ctx.sequence_parallel,
+                                      init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+        self.recompute_core = False  # selective activation checkpointing
+
+    def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the per-TP-rank stream (heads are split)."""
+        dropout = self.cfg.attention_dropout if self.training else 0.0
+        with self.ctx.fork_rng():
+            return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
+                                                  enable_gqa=self.heads_per_group > 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # [s, b, g * x * d]
+        qkv_bgxsd = rearrange(qkv, "s b (g x d) -> b g x s d", x=self.heads_per_group + 2, d=self.cfg.head_dim)
+        q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
+        k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
+        if self.cfg.arch == "llama":
+            cos, sin = rotary_cos_sin(q_bnsd.shape[2], self.cfg.head_dim, self.cfg.rotary_base, x.device)
+            q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
+        if self.recompute_core and torch.is_grad_enabled():
+            out_bnsd = checkpoint(self.core_attention, q_bnsd, k_bgsd, v_bgsd, use_reentrant=False)
+        else:
+            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)
+        return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
+
+
+class MLP(nn.Module):
+    """gpt2: fc1 -> GELU(tanh) -> fc2. llama: down(silu(gate) * up)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+        super().__init__()
+        self.gated = cfg.arch == "llama"
+        bias = not self.gated
+        column = dict(tp_group=ctx.group, bias=bias, sequence_parallel=ctx.sequence_parallel,
+                      init_std=cfg.init_method_std)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, **column)
+        if self.gated:
+            self.gate = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, **column)
+        self.fc2 = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, tp_group=ctx.group, bias=bias,
+                                     sequence_parallel=ctx.sequence_parallel,
+                                     init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.fc2(F.silu(self.gate(x)) * self.fc1(x))
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+        super().__init__()
+        self.cfg, self.ctx = cfg, ctx
+        self.norm1 = make_norm(cfg, ctx)
+        self.attention = Attention(cfg, ctx)
+        self.norm2 = make_norm(cfg, ctx)
+        self.mlp = MLP(cfg, ctx)
+
+    def _dropout(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.cfg.hidden_dropout == 0.0:
+            return x
+        # Sequence-parallel shards differ across TP ranks; replicated activations must match.
+        rng = self.ctx.fork_rng() if self.ctx.sequence_parallel else contextlib.nullcontext()
+        with rng:
+            return F.dropout(x, self.cfg.hidden_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.norm1(x)))
+        return x + self._dropout(self.mlp(self.norm2(x)))

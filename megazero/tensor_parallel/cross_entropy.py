@@ -1,0 +1,73 @@
+"""Cross entropy over vocabulary-sharded logits, without ever building full-vocab logits.
+
+Each rank holds logits for a contiguous slice of the vocabulary. Three small
+all-reduces over TP give the pieces of log-softmax:
+
+    m      = max_v z_v                          (MAX, for stability)
+    Z      = sum_v exp(z_v - m)                 (SUM)
+    z_t    = the target's logit, held by one rank (SUM of zeros elsewhere)
+    loss   = log Z - (z_t - m)
+
+Backward is softmax - one_hot(target) on each rank's own slice, with no
+communication. Columns past the real vocabulary (padding) are masked to
+-inf so padding never changes the math, whatever the TP size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.state import group_rank, group_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_size):
+        logits = logits.float()
+        rows = logits.shape[-1]
+        start = group_rank(group) * rows
+        if vocab_size is not None and start + rows > vocab_size:
+            column = torch.arange(start, start + rows, device=logits.device)
+            logits = logits.masked_fill(column >= vocab_size, float("-inf"))
+        distributed = group_size(group) > 1
+
+        logits_max = logits.max(dim=-1).values
+        if distributed:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        local_target = target - start
+        outside = (local_target < 0) | (local_target >= rows)
+        local_target = local_target.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if distributed:
+            both = torch.stack([target_logit, sum_exp])
+            dist.all_reduce(both, group=group)
+            target_logit, sum_exp = both[0], both[1]
+
+        loss = sum_exp.log() - target_logit
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # reused in place: saved only for this backward
+        hit = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -hit.unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                 vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token loss [*] from logits [*, V/tp] sharded over ``group`` and integer targets [*].
+
+    ``vocab_size`` is the real vocabulary; columns past it are padding and are ignored.
+    The returned gradient w.r.t. ``logits`` is in fp32 and cast back by autograd.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, group, vocab_size)

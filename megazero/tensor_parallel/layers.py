@@ -1,0 +1,169 @@
+"""Column/row-parallel linear layers and the vocab-parallel embedding.
+
+Every parameter carries a ``ParamSpec`` saying how it is split over TP ranks
+and how to initialise the *full* tensor. ``initialize_parameters`` draws the
+full tensor from a generator seeded by (seed, parameter name) and keeps this
+rank's slice, so any TP size - and any pipeline split, since names hold the
+global layer index - reproduces the serial model bit for bit.
+
+Shapes: activations are ``[s, b, h]`` (sequence first), so sequence
+parallelism shards the contiguous dim 0.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.state import group_rank, group_size
+from .comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                   gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+                   reduce_scatter_to_sequence_parallel_region)
+
+
+@dataclass
+class ParamSpec:
+    """How one parameter is split over TP ranks and initialised.
+
+    split_dim: dim sharded across TP ranks, or None when every TP rank holds the full tensor.
+    sequence_parallel: replicated, but each rank sees only its sequence chunk, so its
+        gradient is a partial sum to all-reduce over TP.
+    init_std: normal(0, std) when set, else the constant ``init_value``.
+    valid_rows: rows past this (vocabulary padding) are zero and stay zero.
+    """
+
+    split_dim: int | None = None
+    sequence_parallel: bool = False
+    init_std: float | None = None
+    init_value: float = 0.0
+    valid_rows: int | None = None
+
+
+def set_spec(param: nn.Parameter, **kwargs) -> nn.Parameter:
+    param.spec = ParamSpec(**kwargs)
+    return param
+
+
+def spec_of(param: torch.Tensor) -> ParamSpec:
+    return getattr(param, "spec", ParamSpec())
+
+
+def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    dim = spec_of(param).split_dim
+    if dim is not None:
+        shape[dim] *= tp
+    return tuple(shape)
+
+
+@torch.no_grad()
+def initialize_parameters(module: nn.Module, seed: int, tp_group) -> None:
+    """Fill every parameter with this rank's slice of the full tensor that ``seed`` makes."""
+    tp, rank = group_size(tp_group), group_rank(tp_group)
+    for name, param in module.named_parameters():
+        spec = spec_of(param)
+        shape = full_shape(param, tp)
+        if spec.init_std is None:
+            param.fill_(spec.init_value)
+            continue
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        full = torch.randn(shape, generator=generator, dtype=torch.float32) * spec.init_std
+        if spec.valid_rows is not None:
+            full[spec.valid_rows:] = 0
+        if spec.split_dim is not None:
+            full = full.chunk(tp, dim=spec.split_dim)[rank]
+        param.copy_(full)
+
+
+def _parameter(shape: tuple[int, ...], device, dtype, **spec) -> nn.Parameter:
+    return set_spec(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), **spec)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A split along its output rows: each rank computes a slice of Y's features.
+
+    Input: full features ([s, b, in]; with sequence parallelism [s/tp, b, in], all-gathered here).
+    Output: [s, b, out/tp], or [s, b, out] when ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool = True,
+                 gather_output: bool = False, sequence_parallel: bool = False, init_std: float = 0.02,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        tp = group_size(tp_group)
+        assert out_features % tp == 0, f"out_features {out_features} does not split over tp={tp}"
+        self.tp_group, self.gather_output, self.sequence_parallel = tp_group, gather_output, sequence_parallel
+        self.weight = _parameter((out_features // tp, in_features), device, dtype, split_dim=0, init_std=init_std)
+        self.bias = _parameter((out_features // tp,), device, dtype, split_dim=0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A^T with A split along its input columns: each rank holds a partial sum of Y.
+
+    Input: [s, b, in/tp] (the output of a column-parallel layer).
+    Output: [s, b, out] all-reduced, or [s/tp, b, out] reduce-scattered with sequence parallelism.
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, tp_group, bias: bool = True,
+                 sequence_parallel: bool = False, init_std: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        tp = group_size(tp_group)
+        assert in_features % tp == 0, f"in_features {in_features} does not split over tp={tp}"
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.weight = _parameter((out_features, in_features // tp), device, dtype, split_dim=1, init_std=init_std)
+        self.bias = (_parameter((out_features,), device, dtype, sequence_parallel=sequence_parallel)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
+        else:
+            y = reduce_from_tensor_parallel_region(y, self.tp_group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split along the (padded) vocabulary; each rank looks up the ids it owns.
+
+    Input ids [b, s] -> output [s, b, h], all-reduced over TP (ids owned elsewhere contribute zeros).
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group, valid_rows: int | None = None,
+                 init_std: float = 0.02, device=None, dtype=None) -> None:
+        super().__init__()
+        tp = group_size(tp_group)
+        assert num_embeddings % tp == 0, f"padded vocab {num_embeddings} does not split over tp={tp}"
+        self.tp_group = tp_group
+        self.rows_per_rank = num_embeddings // tp
+        self.vocab_start = group_rank(tp_group) * self.rows_per_rank
+        self.weight = _parameter((self.rows_per_rank, embedding_dim), device, dtype, split_dim=0,
+                                 init_std=init_std, valid_rows=valid_rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.t()  # [s, b]
+        if group_size(self.tp_group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(out, self.tp_group)
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """GPT-2's residual-projection init: std / sqrt(2 * layers) keeps the residual stream's scale."""
+    return std / math.sqrt(2.0 * num_layers)

@@ -1,0 +1,104 @@
+"""Every collective megazero issues goes through here, so its bytes can be counted.
+
+The ledger counts what one rank *sends* per call, with the ring algorithms'
+standard accounting (N ranks in the group, B bytes of the full tensor):
+
+    all_reduce       2 (N-1)/N * B      (reduce-scatter + all-gather)
+    reduce_scatter     (N-1)/N * B      (B = the full input)
+    all_gather         (N-1)/N * B      (B = the full output)
+    broadcast          B on the source rank (counted as (N-1)/N * B per rank, ring-pipelined)
+    send               B
+
+keyed by (kind, axis), where the axis is the name ParallelState gave the
+group ("tp", "dp", "pp", "mp", "emb"). ZeRO's claim that stages 1 and 2 move
+as many bytes as DDP's all-reduce is checked against these numbers.
+
+The ledger is process-wide measurement state, like torch's profiler: it
+records nothing unless enabled, and the trainer reads and resets it per step.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+
+class CommLedger:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.bytes: dict[tuple[str, str], int] = defaultdict(int)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+        self.axis_names: dict[int, str] = {}
+
+    def name_group(self, group, name: str) -> None:
+        if group is not None:
+            self.axis_names[id(group)] = name
+
+    def add(self, kind: str, group, nbytes: float) -> None:
+        if self.enabled:
+            key = (kind, self.axis_names.get(id(group), "world" if group is None else "other"))
+            self.bytes[key] += int(round(nbytes))
+            self.calls[key] += 1
+
+    def take(self) -> dict[str, int]:
+        """Bytes sent since the last call, as {"kind/axis": bytes}; resets the counts."""
+        out = {f"{k}/{a}": v for (k, a), v in sorted(self.bytes.items())}
+        self.bytes.clear()
+        self.calls.clear()
+        return out
+
+
+LEDGER = CommLedger()
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    n = _size(group)
+    LEDGER.add("all_reduce", group, 2 * (n - 1) / n * _nbytes(t))
+    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
+    n = _size(group)
+    LEDGER.add("all_gather", group, (n - 1) / n * _nbytes(out))
+    return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, op=dist.ReduceOp.SUM,
+                          async_op: bool = False):
+    n = _size(group)
+    LEDGER.add("reduce_scatter", group, (n - 1) / n * _nbytes(t))
+    return dist.reduce_scatter_tensor(out, t, op=op, group=group, async_op=async_op)
+
+
+def broadcast(t: torch.Tensor, src: int, group, async_op: bool = False):
+    n = _size(group)
+    LEDGER.add("broadcast", group, (n - 1) / n * _nbytes(t))
+    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+
+
+def batch_isend_irecv(ops: list[dist.P2POp], group) -> list:
+    """Point-to-point ops issued together; counts the bytes of the sends."""
+    for op in ops:
+        if op.op in (dist.isend, dist.send):
+            LEDGER.add("send", group, _nbytes(op.tensor))
+    return dist.batch_isend_irecv(ops)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj`` (start-up metadata such as memory records), in rank order."""
+    import pickle
+
+    n = _size(group)
+    LEDGER.add("all_gather_object", group, (n - 1) * len(pickle.dumps(obj)))
+    out: list = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out

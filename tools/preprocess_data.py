@@ -1,0 +1,42 @@
+"""Tokenize text or JSONL files into megazero's PREFIX.bin/.idx format.
+
+    python tools/preprocess_data.py --input data.jsonl --output-prefix out/data \
+        --tokenizer-model tok.model --workers 4
+
+Text files: one document per line. JSONL (.json/.jsonl): one object per
+line, document text under ``--json-keys``. EOS is appended to every document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megazero.data.preprocess import preprocess_files  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model (or HF tokenizer dir)")
+    parser.add_argument("--tokenizer-type", choices=("sentencepiece", "hf"), default="sentencepiece")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL text field (one key)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    args = parser.parse_args(argv)
+    try:
+        if len(args.json_keys) != 1:
+            raise ValueError(f"--json-keys takes one key per run, got {args.json_keys}; run once per key")
+        preprocess_files(args.input, args.output_prefix, args.tokenizer_model, args.json_keys[0],
+                         args.workers, args.tokenizer_type)
+    except (ValueError, OSError) as exc:  # user errors: one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -40,8 +40,15 @@ def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
                        choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=helptext)
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Usage errors as one line naming the flag (argparse's own text says what is allowed)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}; see --help.\n")
+
+
 def build_parser(prog: str = "pretrain_gpt.py", extra: Sequence[tuple[str, dict]] = ()) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Pretrain a GPT-style model with TP x PP x DP.",
+    parser = OneLineParser(prog=prog, description="Pretrain a GPT-style model with TP x PP x DP.",
                                      allow_abbrev=False)
     parser.add_argument("--config", help="YAML preset; its keys are the flag names with underscores.")
     for name, kwargs in extra:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
+from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import spec_of
 
@@ -26,7 +26,7 @@ def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
     if group is None or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
+    C.all_reduce(flat, group)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset: offset + t.numel()].view_as(t))
@@ -64,9 +64,9 @@ def global_norm(local_sq: torch.Tensor, pstate: ParallelState, sharded_over_dp: 
     """sqrt of the sum of squares over model-parallel ranks (and DP shards when sharded)."""
     local_sq = local_sq.clone()
     if pstate.model_parallel_group is not None:
-        dist.all_reduce(local_sq, group=pstate.model_parallel_group)
+        C.all_reduce(local_sq, pstate.model_parallel_group)
     if sharded_over_dp and pstate.dp_group is not None:
-        dist.all_reduce(local_sq, group=pstate.dp_group)
+        C.all_reduce(local_sq, pstate.dp_group)
     return float(local_sq.sqrt())
 
 

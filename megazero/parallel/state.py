@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .collectives import LEDGER
 from .layout import Coords, Layout
 
 def group_size(group: "dist.ProcessGroup | None") -> int:
@@ -59,6 +60,8 @@ class ParallelState:
                 handle = dist.new_group(ranks)
                 if rank in ranks:
                     mine[name] = handle
+        for name, handle in mine.items():
+            LEDGER.name_group(handle, name)
         return cls(layout=layout, rank=rank, coords=layout.coords(rank), device=torch.device(device),
                    tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
                    model_parallel_group=mine["mp"], embedding_group=mine["emb"])

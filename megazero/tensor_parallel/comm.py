@@ -11,8 +11,8 @@ never sees a shared gradient modified in place.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
 
 
@@ -21,7 +21,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=group)
+    C.all_reduce(out, group)
     return out
 
 
@@ -39,7 +39,7 @@ def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         return x
     x = x.movedim(dim, 0).contiguous()
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x, group=group)
+    C.all_gather_into_tensor(out, x, group)
     return out.movedim(0, dim)
 
 
@@ -50,7 +50,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     x = x.movedim(dim, 0).contiguous()
     assert x.shape[0] % size == 0, f"dim {dim} of {tuple(x.shape)} does not split over {size} ranks"
     out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    dist.reduce_scatter_tensor(out, x, group=group)
+    C.reduce_scatter_tensor(out, x, group)
     return out.movedim(0, dim)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
 
 
@@ -33,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         logits_max = logits.max(dim=-1).values
         if distributed:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+            C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
 
         local_target = target - start
@@ -45,7 +46,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         if distributed:
             both = torch.stack([target_logit, sum_exp])
-            dist.all_reduce(both, group=group)
+            C.all_reduce(both, group)
             target_logit, sum_exp = both[0], both[1]
 
         loss = sum_exp.log() - target_logit

@@ -1,0 +1,50 @@
+"""Run a script as N real ranks (what torchrun does, minus its agent) and collect their output.
+
+Each rank is a fresh process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, so
+the script joins a real gloo world exactly as under torchrun; every rank's
+exit code and output are returned, so tests can check each one.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class RankResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
+           env: dict[str, str] | None = None) -> list[RankResult]:
+    port = str(_free_port())
+    procs = []
+    for rank in range(nproc):
+        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": ROOT, **(env or {})}
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], env=rank_env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append(RankResult(p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results

@@ -1,0 +1,66 @@
+"""pretrain_gpt.py end to end: the same losses at any TP x DP layout, and clean failures on bad input."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers.launch import launch
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+         "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
+         "--lr", "1e-3", "--lr-warmup-iters", "2"]
+ARCH_FLAGS = {"gpt2": ["--arch", "gpt2"], "llama": ["--arch", "llama", "--num-query-groups", "2"]}
+
+
+def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
+    metrics = tmp_path / f"{name}.jsonl"
+    results = launch("pretrain_gpt.py", [*SMALL, *extra, "--metrics-file", str(metrics)], nproc)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [r for r in records if "event" not in r]
+    assert [r["iteration"] for r in records] == list(range(1, 11))
+    for r in records:
+        assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= r.keys()
+    return [r["loss"] for r in records]
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_losses_match_across_layouts(tmp_path, arch):
+    serial = _losses(tmp_path, "tp1", 1, ARCH_FLAGS[arch])
+    for name, nproc, flags in (("tp2", 2, ["--tp", "2"]), ("tp2dp2", 4, ["--tp", "2"])):
+        losses = _losses(tmp_path, name, nproc, [*ARCH_FLAGS[arch], *flags])
+        for it, (a, b) in enumerate(zip(losses, serial), start=1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"{arch} {name} iteration {it}: {a} vs serial {b}"
+    assert serial[-1] < serial[0], "loss should fall over 10 iterations"
+
+
+BAD_INPUT = [
+    # (ranks, flags, words the single error line must contain)
+    (2, ["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "48"], ["--num-attention-heads", "--tp"]),
+    (2, ["--tp", "2", "--num-attention-heads", "4", "--hidden-size", "64", "--ffn-hidden-size", "99"],
+     ["--ffn-hidden-size", "--tp"]),
+    (2, ["--tp", "2", "--hidden-size", "63", "--num-attention-heads", "3", "--ffn-hidden-size", "128"],
+     ["--hidden-size", "--tp"]),
+    (2, ["--tp", "2", "--arch", "llama", "--num-attention-heads", "6", "--hidden-size", "48",
+         "--num-query-groups", "3"], ["--num-query-groups", "--tp"]),
+    (3, ["--tp", "2"], ["world size 3", "--tp"]),
+    (1, ["--tp", "2"], ["world size 1", "--tp"]),
+    (2, ["--arch", "gpt3"], ["--arch", "gpt2"]),
+    (2, ["--config", "no/such/preset.yaml"], ["--config", "no/such/preset.yaml"]),
+    (2, ["--global-batch-size", "6"], ["--global-batch-size", "--micro-batch-size"]),
+]
+
+
+@pytest.mark.parametrize("nproc,flags,words", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])
+def test_bad_input_fails_fast_with_one_line(nproc, flags, words):
+    results = launch("pretrain_gpt.py", [*SMALL, *flags], nproc, timeout=60)
+    for rank, r in enumerate(results):
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 2, f"rank {rank}: exit {r.returncode}\n{r.stderr}"
+        assert "Traceback" not in r.stderr, r.stderr
+        assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{r.stderr}"
+        for word in words:
+            assert word in lines[0], f"{word!r} not in {lines[0]!r}"

@@ -1,0 +1,42 @@
+"""Every preset parses, validates, and documents the parameter count the built model has."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+import torch
+
+from megazero.arguments import parse_config
+from megazero.model.gpt import GPTModel, count_parameters
+from megazero.model.transformer import TPContext
+from megazero.training.setup import validate
+
+PRESETS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+
+
+def documented_count(path: str) -> int:
+    match = re.search(r"Parameters: ([\d,]+)", open(path).read())
+    assert match, f"{path} does not document its parameter count"
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=[os.path.basename(p) for p in PRESETS])
+def test_preset_parameter_count(path):
+    cfg, _ = parse_config(["--config", path])
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = 8000  # the default corpus's tokenizer
+    small = documented_count(path) < 20e6
+    with torch.device("cpu" if small else "meta"):
+        model = GPTModel(cfg.model, TPContext())
+    assert count_parameters(model) == documented_count(path)
+
+
+def test_presets_validate_with_parallel_flags():
+    assert len(PRESETS) >= 6
+    cfg, _ = parse_config(["--config", "configs/llama-7b.yaml", "--tp", "8", "--pp", "2", "--zero", "1"])
+    layout = validate(cfg, world_size=64)
+    assert (layout.tp, layout.pp, layout.dp) == (8, 2, 4)
+    cfg, _ = parse_config(["--config", "configs/gpt2-small.yaml", "--tp", "4", "--global-batch-size", "64"])
+    assert validate(cfg, world_size=8).dp == 2

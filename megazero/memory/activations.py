@@ -1,0 +1,173 @@
+"""Bytes autograd keeps for backward, per micro-batch, term by term.
+
+This is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", per layer ``s b h (34 + 5 a s / h)`` bytes in fp16)
+recalibrated to what *our* blocks save, as measured with saved-tensor hooks
+(``megazero.memory.measure``). Legend: s sequence, b micro-batch, h hidden,
+f MLP width, n heads, g query groups, d head dim, t TP size, e bytes per
+activation element (4 fp32, 2 bf16), r = t with sequence parallelism else 1
+(replicated regions are sequence-sharded only with SP), V_pad padded vocab.
+
+Per block, no recompute, flash attention (SDPA's flash kernel: CUDA always,
+CPU when attention dropout is 0; it keeps q, k, v, the output and a
+log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
+
+    norm inputs           2 x s b h e / r       (+ fp32 stats 2 x 2 s b 4 / r, LayerNorm)
+    RMSNorm (llama)       2 x (s b h 4 + s b h e) / r + 2 x s b 4 / r
+                          (input upcast to fp32, normalised pre-weight value, rstd)
+    linear inputs         2 x s b h e           (qkv, fc1: full even with SP - the
+                                                 gathered input is what F.linear keeps;
+                                                 3 for llama with SP: gate and up gather apart)
+    qkv output            s b (n + 2g) d e / t  (held by the q/k/v views SDPA saves)
+    RoPE (llama)          s b (n + g) d e / t + 2 s d 4   (rotated q, k; cos/sin tables)
+    SDPA log-sum-exp      b n s 4 / t
+    attention output      s b h e / t           (also the out-projection's input;
+                                                 x 2 with GQA, where the projection copies it)
+    MLP                   gpt2: 2 s b f e / t (GELU in/out); llama: 4 s b f e / t
+                          (gate, silu(gate), up, product)
+    hidden dropout        2 x s b h m / r       (m = mask bytes: 1 on CUDA, e on CPU)
+
+The math kernel (CPU with attention dropout) drops the RoPE/lse terms and
+keeps q (scaled), k and v expanded to n heads (v only for GQA, else the qkv
+output), the output, and three b n s^2 e / t matrices (softmax, mask, dropped).
+Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
+and its output. Full recompute keeps only ``s b h e / r`` per block.
+
+Per stage: the first adds token ids (s b 8, + s b for the TP>1 mask) and an
+embedding-dropout mask (without dropout and with SP, the scattered embedding
+is a view that keeps all s b h e of it alive); the last adds the final norm, the head's input
+``s b h e`` and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus
+targets (s b 9).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """What decides the saved bytes of one micro-batch on one rank."""
+
+    seq_length: int
+    micro_batch_size: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    dtype_bytes: int = 2
+    device: str = "cuda"  # kernel facts: dropout mask bytes, attention kernel with dropout
+    training: bool = True
+
+    @property
+    def shard(self) -> int:
+        return self.tp if self.sequence_parallel else 1
+
+    def attention_kernel(self, cfg: ModelConfig) -> str:
+        dropout = self.training and cfg.attention_dropout > 0
+        return "math" if (self.device == "cpu" and dropout) else "flash"
+
+    def mask_bytes(self) -> int:
+        return 1 if self.device == "cuda" else self.dtype_bytes
+
+
+def _norm_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
+    """One norm's saved bytes (input, stats, and for RMSNorm the pre-weight value)."""
+    sb, h, e = a.seq_length * a.micro_batch_size, cfg.hidden_size, a.dtype_bytes
+    if cfg.arch == "gpt2":
+        return (sb * h * e + 2 * sb * 4) // a.shard
+    return (sb * h * 4 + sb * h * e + sb * 4) // a.shard
+
+
+def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
+    """Everything attention keeps between its qkv and out projections."""
+    s, b, t, e = a.seq_length, a.micro_batch_size, a.tp, a.dtype_bytes
+    n, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+    qkv_out = s * b * (n + 2 * g) * d * e // t
+    rope = s * b * (n + g) * d * e // t + 2 * s * d * 4 if cfg.arch == "llama" else 0
+    out = s * b * n * d * e // t
+    if a.recompute == "selective":
+        return {"qkv_out": qkv_out, "rope": rope, "attn_out": out}
+    if a.attention_kernel(cfg) == "flash":
+        # With GQA the kernel's output is laid out so the out-projection copies it (measured).
+        return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * (2 if g < n else 1)}
+    expanded = s * b * n * d * e // t
+    v_terms = expanded if g < n else qkv_out  # GQA expands v (a copy); MHA keeps the qkv view
+    return {"q_scaled": expanded, "k_expanded": expanded, "v": v_terms,
+            "scores": 3 * b * n * s * s * e // t, "attn_out": out}
+
+
+def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
+    """Saved bytes of one block for one micro-batch, by term (see the module docstring)."""
+    s, b, h, f, t, e = (a.seq_length, a.micro_batch_size, cfg.hidden_size, cfg.ffn_size, a.tp, a.dtype_bytes)
+    if a.recompute == "full":
+        return {"block_input": s * b * h * e // a.shard}
+    # Under SP each column-parallel layer gathers its own copy: llama's gate and up make two.
+    gathers = 3 if (cfg.arch == "llama" and a.sequence_parallel and t > 1) else 2
+    terms = {"norms": 2 * _norm_bytes(cfg, a), "linear_inputs": gathers * s * b * h * e}
+    terms.update(_attention_core_bytes(cfg, a))
+    terms["mlp"] = (4 if cfg.arch == "llama" else 2) * s * b * f * e // t
+    if a.training and cfg.hidden_dropout > 0:
+        terms["dropout_masks"] = 2 * s * b * h * a.mask_bytes() // a.shard
+    return terms
+
+
+def first_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
+    sb = a.seq_length * a.micro_batch_size
+    terms = {"token_ids": sb * 8 + (sb if a.tp > 1 else 0)}
+    if a.training and cfg.hidden_dropout > 0:
+        terms["embedding_dropout"] = sb * cfg.hidden_size * a.mask_bytes() // a.shard
+    elif a.shard > 1:  # the sequence scatter returns a view: the first norm keeps the whole embedding alive
+        terms["embedding_view"] = sb * cfg.hidden_size * a.dtype_bytes * (a.shard - 1) // a.shard
+    return terms
+
+
+def last_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
+    sb = a.seq_length * a.micro_batch_size
+    return {"final_norm": _norm_bytes(cfg, a), "head_input": sb * cfg.hidden_size * a.dtype_bytes,
+            "softmax_fp32": sb * cfg.padded_vocab_size(a.tp) // a.tp * 4, "targets": sb * 9}
+
+
+def chunk_activation_bytes(cfg: ModelConfig, a: ActivationSpec, num_blocks: int, pre_process: bool,
+                           post_process: bool, recompute_num_layers: int | None = None) -> int:
+    """Saved bytes of one micro-batch through one model chunk of ``num_blocks`` blocks.
+
+    With full recompute, only the first ``recompute_num_layers`` blocks (all when None)
+    are checkpointed; the rest keep everything.
+    """
+    per_layer = sum(layer_terms(cfg, a).values())
+    total = num_blocks * per_layer
+    if a.recompute == "full" and recompute_num_layers is not None:
+        kept = max(0, num_blocks - recompute_num_layers)
+        plain = ActivationSpec(**{**a.__dict__, "recompute": "none"})
+        total = (num_blocks - kept) * per_layer + kept * sum(layer_terms(cfg, plain).values())
+    if pre_process:
+        total += sum(first_stage_terms(cfg, a).values())
+    if post_process:
+        total += sum(last_stage_terms(cfg, a).values())
+    return total
+
+
+def recompute_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
+    """Transient during backward with full recompute: one block's activations rebuilt at a time."""
+    if a.recompute != "full":
+        return 0
+    return sum(layer_terms(cfg, ActivationSpec(**{**a.__dict__, "recompute": "none"})).values())
+
+
+def in_flight_micro_batches(schedule: str, pp: int, stage: int, num_micro_batches: int, vp: int = 1) -> int:
+    """Micro-batches (chunk-forwards for interleaved) whose activations a stage holds at its peak.
+
+    pp = 1: one (each micro-batch's backward runs before the next forward). GPipe: all m.
+    1F1B: pp - stage, capped at m (the first stage holds the most). Interleaved
+    (Megatron): warm-up (pp - stage - 1) * 2 + (vp - 1) * pp, plus one, capped at m * vp
+    chunk-forwards, each of L / (pp * vp) layers.
+    """
+    m = num_micro_batches
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return m * vp
+    if schedule == "interleaved" and vp > 1:
+        return min(m * vp, (pp - stage - 1) * 2 + (vp - 1) * pp + 1)
+    return min(m, pp - stage)

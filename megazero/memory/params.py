@@ -1,0 +1,128 @@
+"""Parameter counts in closed form, and the model-state bytes they cost per rank.
+
+Counts follow the modules in ``megazero.model`` exactly (so ``num_parameters``
+equals ``count_parameters`` of the built model, vocabulary padding included):
+
+    per block   norms       2 x (2h gpt2 LayerNorm | h llama RMSNorm)       replicated
+                qkv         (n + 2g) d h  (+ (n + 2g) d bias, gpt2)        split over TP
+                proj        h n d                                          split
+                            (+ h bias, gpt2)                               replicated
+                mlp         gpt2: f h + f + h f (split), + h bias (replicated)
+                            llama: 3 f h (gate, up, down; split)
+    embedding   V_pad h (split) + P h learned positions (gpt2, replicated)
+    head        final norm (replicated) + V_pad h output (split; only when untied)
+
+Model-state bytes per parameter (mixed precision keeps an fp32 master copy
+and two fp32 Adam moments, K = 12 in the ZeRO paper; fp32 training updates
+the parameters in place, so K = 8):
+
+    stage      params   grads        optimizer
+    zero 0     w        g            K
+    zero 1     w        g            K / dp
+    zero 2     w        g / dp       K / dp
+    zero 3     w / dp   g / dp       K / dp    (the paper's P_os+g+p; arithmetic only)
+
+with w = 2 (bf16/fp16) or 4 (fp32), g = 4 (fp32 main grads) or 2 (bf16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of one module group: ``split`` ones are divided over TP ranks."""
+
+    split: int = 0
+    replicated: int = 0
+
+    def __add__(self, other: "ParamCount") -> "ParamCount":
+        return ParamCount(self.split + other.split, self.replicated + other.replicated)
+
+    def __mul__(self, k: int) -> "ParamCount":
+        return ParamCount(self.split * k, self.replicated * k)
+
+    @property
+    def full(self) -> int:
+        return self.split + self.replicated
+
+    def per_rank(self, tp: int) -> int:
+        assert self.split % tp == 0, (self, tp)
+        return self.split // tp + self.replicated
+
+
+def _norm(cfg: ModelConfig) -> int:
+    return 2 * cfg.hidden_size if cfg.arch == "gpt2" else cfg.hidden_size
+
+
+def block_params(cfg: ModelConfig) -> ParamCount:
+    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
+    bias = cfg.arch == "gpt2"
+    split = qkv * h + (qkv if bias else 0) + h * cfg.num_attention_heads * d
+    if cfg.arch == "gpt2":
+        split += f * h + f + h * f
+    else:
+        split += 3 * f * h
+    replicated = 2 * _norm(cfg) + (2 * h if bias else 0)  # norms, proj and fc2 biases
+    return ParamCount(split, replicated)
+
+
+def embedding_params(cfg: ModelConfig, tp: int, with_positions: bool) -> ParamCount:
+    positions = cfg.position_table_size * cfg.hidden_size if with_positions else 0
+    return ParamCount(cfg.padded_vocab_size(tp) * cfg.hidden_size, positions)
+
+
+def head_params(cfg: ModelConfig, tp: int) -> ParamCount:
+    """Final norm plus, when untied, the output projection."""
+    output = 0 if cfg.tied_embeddings else cfg.padded_vocab_size(tp) * cfg.hidden_size
+    return ParamCount(output, _norm(cfg))
+
+
+def num_parameters(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of the full model, as ``megazero.model.gpt.count_parameters`` counts them."""
+    total = block_params(cfg) * cfg.num_layers
+    total = total + embedding_params(cfg, tp, cfg.arch == "gpt2") + head_params(cfg, tp)
+    return total.full
+
+
+def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool) -> int:
+    """Parameters one rank holds for one model chunk (TP shard; the tied embedding copy included)."""
+    total = block_params(cfg) * num_blocks
+    if pre_process or (post_process and cfg.tied_embeddings):
+        total = total + embedding_params(cfg, tp, pre_process and cfg.arch == "gpt2")
+    if post_process:
+        total = total + head_params(cfg, tp)
+    return total.per_rank(tp)
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def bytes_per_param(precision: str, main_grads_dtype: str = "fp32") -> tuple[int, int, int]:
+    """(w, g, K): compute weights, main grads, optimizer state (master + moments) bytes per parameter."""
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}.")
+    if precision == "fp32":
+        return 4, 4, 8
+    return 2, (2 if main_grads_dtype == "bf16" else 4), 12
+
+
+def model_state_bytes(num_params: float, dp: int, zero: int, precision: str = "bf16",
+                      main_grads_dtype: str = "fp32") -> StateBytes:
+    """Bytes of params, grads and optimizer state for ``num_params`` parameters on one rank."""
+    assert zero in (0, 1, 2, 3), zero
+    w, g, k = bytes_per_param(precision, main_grads_dtype)
+    return StateBytes(params=num_params * w / (dp if zero >= 3 else 1),
+                      grads=num_params * g / (dp if zero >= 2 else 1),
+                      optimizer=num_params * k / (dp if zero >= 1 else 1))

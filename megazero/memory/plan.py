@@ -1,0 +1,171 @@
+"""Per-rank memory of a model and a parallel layout, stage by stage.
+
+``plan_memory(spec)`` adds up, for every pipeline stage (the ranks of one
+stage are alike): model state (``params``), activations held by the
+schedule (``activations``), ZeRO-2's transient bucket gradients (``buckets``)
+and the largest short-lived working set (``transient``: one block rebuilt
+under full recompute, or the logits and their fp32 copy on the last stage).
+The rank that needs the most is the one to size the GPU for.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..config import Config, ConfigError, ModelConfig
+from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
+                          recompute_working_bytes)
+from .params import bytes_per_param, chunk_params, model_state_bytes, num_parameters
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """A model and a parallel layout: everything the memory figures depend on."""
+
+    model: ModelConfig
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    zero: int = 0
+    micro_batch_size: int = 1
+    num_micro_batches: int = 1
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    recompute_num_layers: int | None = None
+    schedule: str = "1f1b"
+    vp: int = 1
+    precision: str = "bf16"
+    main_grads_dtype: str = "fp32"
+    bucket_size: int = 10_000_000
+    device: str = "cuda"
+
+    @classmethod
+    def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> "PlanSpec":
+        """The spec of a training run; raises ConfigError where the run itself would."""
+        if cfg.model.vocab_size is None:
+            raise ConfigError("the memory plan needs the vocabulary: pass --vocab-size (or --tokenizer-model).")
+        cfg.check_tensor_parallel()
+        p, t = cfg.parallel, cfg.training
+        precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
+        return cls(model=cfg.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero, micro_batch_size=t.micro_batch_size,
+                   num_micro_batches=cfg.check_batch(dp), sequence_parallel=p.sequence_parallel and p.tp > 1,
+                   recompute=t.recompute, recompute_num_layers=t.recompute_num_layers,
+                   schedule=p.schedule_name(cfg.model.num_layers) if p.pp > 1 else "1f1b",
+                   vp=p.virtual_size(cfg.model.num_layers), precision=precision,
+                   main_grads_dtype=t.main_grads_dtype, bucket_size=p.bucket_size, device=device)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def activation_spec(self) -> ActivationSpec:
+        return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.micro_batch_size, tp=self.tp,
+                              sequence_parallel=self.sequence_parallel, recompute=self.recompute,
+                              dtype_bytes=4 if self.precision == "fp32" else 2, device=self.device)
+
+
+@dataclass
+class StagePlan:
+    stage: int
+    params_on_rank: int
+    in_flight: int
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buckets_bytes: float
+    transient_bytes: float
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.model_state_bytes + self.activations_bytes + self.buckets_bytes + self.transient_bytes
+
+
+@dataclass
+class MemoryPlan:
+    spec: PlanSpec
+    num_parameters: int
+    stages: list[StagePlan] = field(default_factory=list)
+
+    @property
+    def peak(self) -> StagePlan:
+        return max(self.stages, key=lambda s: s.total_bytes)
+
+    def to_dict(self) -> dict:
+        """One JSON object: the peak stage's figures at the top level, every stage under ``stages``."""
+        spec = {k: v for k, v in asdict(self.spec).items() if k != "model"}
+        top = self.peak
+        stages = [{**asdict(s), "total_bytes": s.total_bytes} for s in self.stages]
+        return {"num_parameters": self.num_parameters, **{k: v for k, v in stages[top.stage].items()},
+                "layout": spec, "model": asdict(self.spec.model), "stages": stages}
+
+
+def _stage(spec: PlanSpec, stage: int) -> StagePlan:
+    cfg, a = spec.model, spec.activation_spec()
+    blocks = cfg.num_layers // (spec.pp * spec.vp)
+    first, last = stage == 0, stage == spec.pp - 1
+    chunks = [(c == 0 and first, c == spec.vp - 1 and last) for c in range(spec.vp)]
+    params = sum(chunk_params(cfg, spec.tp, blocks, pre, post) for pre, post in chunks)
+    state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
+    in_flight = in_flight_micro_batches(spec.schedule, spec.pp, stage, spec.num_micro_batches, spec.vp)
+    per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.recompute_num_layers)
+    with_extras = -(-in_flight // spec.vp)  # chunk-forwards of the chunk holding the embedding or the head
+    activations = in_flight * per_chunk_forward
+    for pre, post in chunks:
+        extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
+        activations += with_extras * extras
+    _, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    buckets = 2 * min(spec.bucket_size, params) * g if spec.zero >= 2 else 0
+    logits = a.seq_length * a.micro_batch_size * cfg.padded_vocab_size(spec.tp) // spec.tp * (a.dtype_bytes + 4)
+    transient = max(recompute_working_bytes(cfg, a), logits if last else 0)
+    return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight, params_bytes=state.params,
+                     grads_bytes=state.grads, optimizer_bytes=state.optimizer, activations_bytes=activations,
+                     buckets_bytes=buckets, transient_bytes=transient)
+
+
+def plan_memory(spec: PlanSpec) -> MemoryPlan:
+    """Memory per rank of every pipeline stage of ``spec``."""
+    cfg = spec.model
+    if cfg.num_layers % (spec.pp * spec.vp) != 0:
+        raise ConfigError(f"--num-layers ({cfg.num_layers}) must be divisible by --pp ({spec.pp}) x "
+                          f"virtual stages ({spec.vp}); change one of them.")
+    return MemoryPlan(spec=spec, num_parameters=num_parameters(cfg, spec.tp),
+                      stages=[_stage(spec, r) for r in range(spec.pp)])
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """A human table: one row per pipeline stage, GiB per rank, the peak stage marked."""
+    s = plan.spec
+    lines = [f"model: {s.model.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {s.model.num_layers} layers, "
+             f"hidden {s.model.hidden_size}, seq {s.model.seq_length}",
+             f"layout: tp={s.tp} pp={s.pp} dp={s.dp} (world {s.world_size}), zero {s.zero}, {s.precision}, "
+             f"micro-batch {s.micro_batch_size} x {s.num_micro_batches}, schedule {s.schedule}"
+             f"{f' vp={s.vp}' if s.vp > 1 else ''}, recompute {s.recompute}, sp {s.sequence_parallel}",
+             "per rank (GiB):",
+             f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
+             f"{'buckets':>8} {'transient':>9} {'total':>8}"]
+    peak = plan.peak.stage
+    for st in plan.stages:
+        lines.append(f"{st.stage:>5} {st.params_bytes / GIB:8.2f} {st.grads_bytes / GIB:8.2f} "
+                     f"{st.optimizer_bytes / GIB:8.2f} {st.activations_bytes / GIB:8.2f} {st.in_flight:>9} "
+                     f"{st.buckets_bytes / GIB:8.2f} {st.transient_bytes / GIB:9.2f} {st.total_bytes / GIB:8.2f}"
+                     f"{'  <- peak' if st.stage == peak and s.pp > 1 else ''}")
+    return "\n".join(lines)
+
+
+def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
+    """The plan of a training run on ``world_size`` ranks (dp derived as the trainer derives it)."""
+    from ..parallel.layout import Layout
+
+    layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
+    if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
+        from ..data.tokenizer import load_tokenizer
+
+        cfg.model.vocab_size = load_tokenizer(cfg.data.tokenizer_model).vocab_size
+    device = "cpu" if cfg.training.device == "cpu" else "cuda"
+    return plan_memory(PlanSpec.from_config(cfg, layout.dp, device))

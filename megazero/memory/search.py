@@ -1,0 +1,142 @@
+"""Search the layouts that fit a cluster, ranked by a simple step-time model.
+
+Cost model (per optimizer step; every term is charged in full, no overlap, so
+it ranks layouts rather than predicting wall time to the percent):
+
+    F_tok   forward FLOPs per token = 2 L P_blk + 4 L s n d + 2 h V_pad
+            (P_blk: a block's matmul weights; 4 s n d: QK^T and AV, full square as
+            Megatron counts them; 2 h V_pad: the logits)
+    train   3 F_tok, + 2 L P_blk + 4 L s n d (full recompute: one more block forward)
+                     or + 4 L s n d (selective: one more attention core)
+    t_mb    one micro-batch through one stage =
+              FLOPs x b s / (pp tp) / (peak x efficiency)
+            + TP: 4 collectives per block (6 with full recompute) of s b h e bytes,
+              ring cost 2 (tp-1)/tp x bytes / intra-node bandwidth
+            + PP: 2 x s b h e / r bytes sent per stage boundary at inter-node bandwidth
+    step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
+            + DP: zero 0 all-reduce 2 (dp-1)/dp P g; zero 1/2 reduce-scatter (dp-1)/dp P g
+              + all-gather (dp-1)/dp P w; intra-node bandwidth when tp x dp fits in a node.
+
+Defaults describe an H100 SXM node: 989 TFLOP/s bf16 dense at 45% efficiency,
+450 GB/s NVLink per direction, 50 GB/s (400 Gb/s InfiniBand) per GPU between nodes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..config import ModelConfig
+from .params import block_params, bytes_per_param
+from .plan import GIB, MemoryPlan, PlanSpec, plan_memory
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int
+    gpu_memory_gib: float
+    gpus_per_node: int = 8
+    peak_flops: float = 989e12
+    efficiency: float = 0.45
+    intra_node_bandwidth: float = 450e9
+    inter_node_bandwidth: float = 50e9
+    headroom: float = 0.1  # fraction of GPU memory kept free: CUDA context, allocator fragmentation
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gib * GIB * (1 - self.headroom)
+
+
+def forward_flops_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float, float]:
+    """(all forward FLOPs, block-matmul part, attention-core part) per token."""
+    matmul = block_params(cfg).split  # weights (biases are noise); the split ones are the matmuls
+    attention = 4 * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
+    blocks = cfg.num_layers * (2 * matmul + attention)
+    return blocks + 2 * cfg.hidden_size * cfg.padded_vocab_size(tp), 2 * cfg.num_layers * matmul, \
+        cfg.num_layers * attention
+
+
+def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
+    """Estimated seconds per optimizer step (see the module docstring)."""
+    cfg, a = spec.model, spec.activation_spec()
+    total, matmul, attention = forward_flops_per_token(cfg, spec.tp)
+    flops = 3 * total + {"full": matmul + attention, "selective": attention}.get(spec.recompute, 0)
+    tokens_mb = spec.micro_batch_size * cfg.seq_length
+    compute = flops * tokens_mb / (spec.pp * spec.tp) / (hw.peak_flops * hw.efficiency)
+    act = tokens_mb * cfg.hidden_size * a.dtype_bytes
+    layers = cfg.num_layers // spec.pp
+    tp_comm = 0.0
+    if spec.tp > 1:
+        per = 2 * (spec.tp - 1) / spec.tp * act / hw.intra_node_bandwidth
+        tp_comm = layers * (6 if spec.recompute == "full" else 4) * per
+    pp_comm = 2 * act / a.shard / hw.inter_node_bandwidth if spec.pp > 1 else 0.0
+    t_mb = compute + tp_comm + pp_comm
+    pipeline = t_mb * (spec.num_micro_batches + (spec.pp - 1) / spec.vp)
+    w, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    params = max(s.params_on_rank for s in plan.stages)
+    bw = hw.intra_node_bandwidth if spec.tp * spec.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
+    frac = (spec.dp - 1) / spec.dp
+    dp_bytes = 2 * frac * params * g if spec.zero == 0 else frac * params * (g + w)
+    return pipeline + dp_bytes / bw
+
+
+@dataclass
+class Candidate:
+    spec: PlanSpec
+    plan: MemoryPlan
+    step_seconds: float
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.plan.peak.total_bytes
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_ok(cfg: ModelConfig, tp: int) -> bool:
+    return all(v % tp == 0 for v in (cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size, cfg.hidden_size))
+
+
+def search_layouts(base: PlanSpec, hw: Hardware, global_batch_size: int,
+                   micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+                   recomputes: tuple[str, ...] = ("none", "selective", "full")) -> list[Candidate]:
+    """Every layout of ``hw.gpus`` that fits, fastest first (tp inside a node, 1F1B when pp > 1)."""
+    cfg, found = base.model, []
+    for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(cfg, d) and hw.gpus % d == 0):
+        for pp in (d for d in _divisors(cfg.num_layers) if hw.gpus % (tp * d) == 0):
+            dp = hw.gpus // (tp * pp)
+            for mbs in micro_batch_sizes:
+                if global_batch_size % (mbs * dp) != 0:
+                    continue
+                m = global_batch_size // (mbs * dp)
+                if pp > 1 and m < pp:
+                    continue  # 1F1B with fewer micro-batches than stages is all bubble
+                for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                    for rc in recomputes:
+                        spec = replace(base, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mbs,
+                                       num_micro_batches=m, sequence_parallel=tp > 1, recompute=rc,
+                                       recompute_num_layers=None, schedule="1f1b", vp=1)
+                        plan = plan_memory(spec)
+                        if plan.peak.total_bytes <= hw.usable_bytes:
+                            found.append(Candidate(spec, plan, step_time(spec, plan, hw)))
+    return sorted(found, key=lambda c: (c.step_seconds, c.peak_bytes))
+
+
+def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> str:
+    """Table of the ``top`` fastest feasible layouts; the best is marked with '*'."""
+    if not cands:
+        return (f"no layout fits {hw.gpus} x {hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB "
+                f"per GPU); add GPUs, shorten --seq-length or lower --global-batch-size.")
+    tokens = cands[0].spec.model.seq_length * cands[0].spec.micro_batch_size * \
+        cands[0].spec.num_micro_batches * cands[0].spec.dp
+    lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
+             f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
+             f"  {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
+             f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"]
+    for i, c in enumerate(cands[:top]):
+        s, st = c.spec, c.plan.peak
+        lines.append(f"{'*' if i == 0 else ' '} {s.tp:>3} {s.pp:>3} {s.dp:>4} {s.zero:>4} {s.micro_batch_size:>4} "
+                     f"{s.num_micro_batches:>4} {s.recompute:>9} {st.model_state_bytes / GIB:7.1f} "
+                     f"{st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} {c.step_seconds:7.2f} "
+                     f"{tokens / c.step_seconds / hw.gpus:9.0f}")
+    return "\n".join(lines)

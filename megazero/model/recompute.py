@@ -1,0 +1,98 @@
+"""Activation recomputation (checkpointing), applied to built model chunks from outside.
+
+Modes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models"):
+
+- ``none``: autograd keeps every tensor the backward needs.
+- ``selective``: the attention core (softmax(QK^T)V and its dropout) is re-run
+  in backward; only its inputs q, k, v are kept. Cheap in FLOPs, and with a
+  math (non-flash) attention kernel it drops every s^2 term.
+- ``full``: each block keeps only its input and re-runs its whole forward in
+  backward. ``num_layers`` limits this to the first N blocks of each chunk
+  (Megatron's "block" method), trading memory for compute.
+
+Recompute must draw the same dropout masks as the original forward. The
+default torch generator is rewound by ``torch.utils.checkpoint`` itself
+(``preserve_rng_state``). The per-TP-rank stream (``TensorParallelRNG``)
+lives outside torch, so ``checkpoint_with_tp_rng`` rewinds it to the state it
+had when the region first ran, and afterwards restores the state the rest of
+training has reached meanwhile (other layers and micro-batches have drawn
+from it since).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..tensor_parallel.random import TensorParallelRNG
+
+MODES = ("none", "selective", "full")
+
+
+def checkpoint_with_tp_rng(fn: Callable[..., Any], rng: TensorParallelRNG | None, *args: Any) -> Any:
+    """Non-reentrant ``checkpoint(fn, *args)`` whose recompute replays the TP stream exactly."""
+    if rng is None:
+        return checkpoint(fn, *args, use_reentrant=False)
+    start = rng.get_state()
+    calls = [0]
+
+    def run(*inner: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # the original forward: draw from the live stream
+            return fn(*inner)
+        resume = rng.get_state()  # recompute, in backward: rewind, replay, then put the live state back
+        rng.set_state(start)
+        try:
+            return fn(*inner)
+        finally:
+            rng.set_state(resume)
+
+    return checkpoint(run, *args, use_reentrant=False)
+
+
+def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward of a ``TransformerBlock`` that keeps only ``x`` for backward."""
+    plain = type(block).forward
+    if not torch.is_grad_enabled():
+        return plain(block, x)
+    return checkpoint_with_tp_rng(lambda inp: plain(block, inp), block.ctx.rng, x)
+
+
+def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
+                                 v: torch.Tensor) -> torch.Tensor:
+    """``Attention.core_attention`` re-run in backward; keeps only q, k, v."""
+    plain = type(attention).core_attention
+    if not torch.is_grad_enabled():
+        return plain(attention, q, k, v)
+    return checkpoint_with_tp_rng(lambda *t: plain(attention, *t), attention.ctx.rng, q, k, v)
+
+
+def _reset(block: nn.Module) -> None:
+    block.__dict__.pop("forward", None)
+    block.attention.__dict__.pop("core_attention", None)
+    block.attention.recompute_core = False
+
+
+def apply_recompute(model: nn.Module, mode: str, num_layers: int | None = None) -> nn.Module:
+    """Set the recompute mode on every block of ``model`` (a ``GPTModel`` chunk); returns it.
+
+    selective: every block's attention core is checkpointed (through the TP-RNG-safe
+    wrapper rather than ``Attention.recompute_core``, whose plain checkpoint would not
+    replay the per-TP-rank dropout stream). full: the first ``num_layers`` blocks of the
+    chunk (all when None) are checkpointed whole. Calling it again replaces the mode.
+    """
+    if mode not in MODES:
+        raise ValueError(f"--recompute must be one of {MODES}, got {mode!r}.")
+    blocks = list(model.layers.values())
+    limit = len(blocks) if num_layers is None else num_layers
+    for i, block in enumerate(blocks):
+        _reset(block)
+        if mode == "selective":
+            block.attention.core_attention = types.MethodType(_checkpointed_core_attention, block.attention)
+        elif mode == "full" and i < limit:
+            block.forward = types.MethodType(_checkpointed_block_forward, block)
+    return model

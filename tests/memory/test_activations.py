@@ -1,0 +1,115 @@
+"""Predicted activation bytes vs bytes autograd really saves, and recompute that keeps the math.
+
+One forward of the real ``GPTModel`` per case under ``SavedTensorMeter`` (saved
+tensors deduplicated by storage, parameters excluded), at tp = 1 (in process)
+and tp = 2 (a spawned world), sequence parallelism on and off, each recompute
+mode, both architectures (llama with GQA), dropout off (SDPA's flash kernel)
+and on (hidden-dropout masks; CPU's math attention kernel with its s^2 terms).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from megazero.config import ModelConfig
+from megazero.memory import ActivationSpec, SavedTensorMeter, chunk_activation_bytes
+from megazero.model.gpt import GPTModel
+from megazero.model.recompute import apply_recompute
+from megazero.model.transformer import TPContext
+from megazero.optimizer.grads import sync_replicated_grads
+from megazero.parallel.state import ParallelState
+from megazero.tensor_parallel.layers import initialize_parameters
+from megazero.tensor_parallel.random import TensorParallelRNG
+from tests.helpers.compare import full_grads, rel_err
+from tests.helpers.dist import spawn
+
+VOCAB, SEED, BATCH = 1000, 5, 2
+ARCHS = {
+    "gpt2": dict(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32),
+    "llama": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                  seq_length=32),
+}
+MODES = ("none", "selective", "full")
+
+
+def _build(pstate, arch: str, sp: bool, mode: str, dropout: float) -> tuple[GPTModel, ModelConfig]:
+    cfg = ModelConfig(vocab_size=VOCAB, hidden_dropout=dropout, attention_dropout=dropout, **ARCHS[arch])
+    torch.manual_seed(SEED)
+    ctx = TPContext(group=pstate.tp_group, sequence_parallel=sp,
+                    rng=TensorParallelRNG(SEED, pstate.tp_rank, pstate.device))
+    model = GPTModel(cfg, ctx)
+    initialize_parameters(model, SEED, pstate.tp_group)
+    return apply_recompute(model, mode).train(), cfg
+
+
+def _tokens(cfg: ModelConfig) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
+
+
+def measure_all(pstate) -> dict[str, tuple[int, int]]:
+    """(measured, predicted) saved bytes for every case on this rank."""
+    out = {}
+    tp = pstate.tp_size
+    for arch, sp, mode, dropout in itertools.product(ARCHS, (False, True), MODES, (0.0, 0.1)):
+        if sp and tp == 1:
+            continue
+        model, cfg = _build(pstate, arch, sp, mode, dropout)
+        tokens = _tokens(cfg)
+        with SavedTensorMeter(model.parameters()) as meter:
+            loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        spec = ActivationSpec(seq_length=cfg.seq_length, micro_batch_size=BATCH, tp=tp, sequence_parallel=sp,
+                              recompute=mode, dtype_bytes=4, device="cpu")
+        out[f"{arch} tp={tp} sp={sp} recompute={mode} dropout={dropout}"] = (
+            meter.bytes, chunk_activation_bytes(cfg, spec, cfg.num_layers, True, True))
+    return out
+
+
+def _check(results: dict[str, tuple[int, int]]) -> None:
+    bad = {k: f"measured {m}, predicted {p} ({100 * (p - m) / m:+.1f}%)"
+           for k, (m, p) in results.items() if abs(p - m) > 0.10 * m}
+    assert not bad, "\n".join(f"{k}: {v}" for k, v in bad.items())
+
+
+def test_activation_bytes_tp1():
+    _check(measure_all(ParallelState.serial()))
+
+
+def recompute_and_measure(pstate) -> dict:
+    """Both checks of the tp = 2 world in one launch (launches dominate the runtime)."""
+    return {"bytes": measure_all(pstate), "parity": recompute_parity(pstate)}
+
+
+def recompute_parity(pstate) -> dict[str, float]:
+    """Loss and full grads with each recompute mode vs none, dropout on (TP stream in use)."""
+    errs = {}
+    for arch, sp in itertools.product(ARCHS, (False, True)):
+        ref = None
+        for mode in MODES:
+            model, cfg = _build(pstate, arch, sp, mode, 0.2)
+            tokens = _tokens(cfg)
+            losses = [model(tokens[:, :-1], tokens[:, 1:]) for _ in range(2)]  # two in flight, as 1F1B does
+            for loss in reversed(losses):
+                loss.backward()
+            sync_replicated_grads(model.parameters(), pstate)
+            got = (torch.stack([x.detach() for x in losses]), full_grads(model, pstate.tp_group))
+            if ref is None:
+                ref = got
+                continue
+            errs[f"{arch} sp={sp} {mode} loss"] = rel_err(got[0], ref[0])
+            for name, g in got[1].items():
+                errs[f"{arch} sp={sp} {mode} d{name}"] = rel_err(g, ref[1][name])
+    return errs
+
+
+def test_activation_bytes_and_recompute_parity_tp2():
+    for rank, result in enumerate(spawn(recompute_and_measure, 2, tp=2)):
+        _check(result["bytes"])
+        bad = {k: v for k, v in result["parity"].items() if not v <= 1e-6}
+        assert not bad, f"rank {rank}: recompute changed the math: {bad}"
+
+
+def test_recompute_parity_serial():
+    bad = {k: v for k, v in recompute_parity(ParallelState.serial()).items() if not v <= 1e-6}
+    assert not bad, bad

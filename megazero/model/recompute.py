@@ -74,15 +74,13 @@ def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch
 def _reset(block: nn.Module) -> None:
     block.__dict__.pop("forward", None)
     block.attention.__dict__.pop("core_attention", None)
-    block.attention.recompute_core = False
 
 
 def apply_recompute(model: nn.Module, mode: str, num_layers: int | None = None) -> nn.Module:
     """Set the recompute mode on every block of ``model`` (a ``GPTModel`` chunk); returns it.
 
-    selective: every block's attention core is checkpointed (through the TP-RNG-safe
-    wrapper rather than ``Attention.recompute_core``, whose plain checkpoint would not
-    replay the per-TP-rank dropout stream). full: the first ``num_layers`` blocks of the
+    selective: every block's attention core is checkpointed through the TP-RNG-safe
+    wrapper, which replays the per-TP-rank dropout stream. full: the first ``num_layers`` blocks of the
     chunk (all when None) are checkpointed whole. Calling it again replaces the mode.
     """
     if mode not in MODES:

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
 from ..parallel.state import group_size
@@ -79,7 +78,6 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp_group=ctx.group,
                                       bias=bias, sequence_parallel=ctx.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
-        self.recompute_core = False  # selective activation checkpointing
 
     def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the per-TP-rank stream (heads are split)."""
@@ -96,10 +94,7 @@ class Attention(nn.Module):
         if self.cfg.arch == "llama":
             cos, sin = rotary_cos_sin(q_bnsd.shape[2], self.cfg.head_dim, self.cfg.rotary_base, x.device)
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
-        if self.recompute_core and torch.is_grad_enabled():
-            out_bnsd = checkpoint(self.core_attention, q_bnsd, k_bgsd, v_bgsd, use_reentrant=False)
-        else:
-            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)
+        out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
 
 

@@ -1,0 +1,195 @@
+"""Offline conversion: megazero checkpoint <-> full state <-> HF transformers folder.
+
+These run in one process on purpose (a conversion tool, not training): they
+assemble the full model from the shards, or slice a full model into the
+shards of any target (tp, pp, virtual stages).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..config import Config, ModelConfig
+from ..model.gpt import GPTModel
+from ..model.transformer import TPContext
+from ..pipeline.partition import chunk_layer_ranges
+from ..tensor_parallel.layers import spec_of
+from . import storage
+from .hf import from_hf, hf_config, to_hf
+from .load import ShardReader
+from .slices import relative, tp_region
+
+State = dict[str, torch.Tensor]
+
+
+def read_full_state(path: str) -> tuple[Config, State]:
+    """Every tensor of a megazero checkpoint, reassembled at full size (vocabulary padding kept)."""
+    folder = storage.resolve(path)
+    meta = storage.read_metadata(folder)
+    reader, state = ShardReader(folder), {}
+    for name, entry in meta["model"].items():
+        full = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        whole = [(0, n) for n in entry["shape"]]
+        for fname, region in entry["files"].items():
+            full[relative([tuple(r) for r in region], whole)] = reader.read(fname, name, [b - a for a, b in region])
+        state[name] = full
+    return Config.from_flat(meta["config"]), state
+
+
+def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Vocabulary padding for another TP size: drop or add zero rows past the real vocabulary."""
+    if t.shape[0] >= rows:
+        return t[:rows]
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _stages_of(name: str, cfg: Config, pp: int, vp: int) -> list[int]:
+    ranges = chunk_layer_ranges(cfg.model.num_layers, pp, vp)
+    if name.startswith("layers."):
+        layer = int(name.split(".")[1])
+        return [r for r in range(pp) if any(layer in chunk for chunk in ranges[r])]
+    if name.startswith("embedding."):
+        tied_copy = name == "embedding.word.weight" and cfg.model.tied_embeddings and pp > 1
+        return [0, pp - 1] if tied_copy else [0]
+    return [pp - 1]  # final norm and output head
+
+
+def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, vp: int = 1,
+                     iteration: int = 0) -> str:
+    """Slice a full state into a (tp, pp, vp) megazero checkpoint with no optimizer state."""
+    with torch.device("meta"):
+        specs = {n: spec_of(p) for n, p in GPTModel(cfg.model, TPContext()).named_parameters()}
+    if set(specs) != set(state):
+        missing, extra = sorted(set(specs) - set(state)), sorted(set(state) - set(specs))
+        raise ValueError(f"state does not fit a {cfg.model.arch} model: missing {missing[:3]}, unexpected {extra[:3]}")
+    padded = cfg.model.padded_vocab_size(tp)
+    os.makedirs(root, exist_ok=True)
+    staging = storage.staging_dir(root, iteration, f"{int(time.time() * 1000)}")
+    os.makedirs(staging)
+    index: dict[str, Any] = {}
+    for pp_rank in range(pp):
+        names = [n for n in specs if pp_rank in _stages_of(n, cfg, pp, vp)]
+        for tp_rank in range(tp):
+            fname, tensors = storage.model_file(tp_rank, pp_rank), {}
+            for name in names:
+                full = _fit_rows(state[name], padded) if specs[name].valid_rows is not None else state[name]
+                region = tp_region(list(full.shape), specs[name].split_dim, tp_rank, tp)
+                tensors[name] = full[relative(region, [(0, n) for n in full.shape])].contiguous()
+                entry = index.setdefault(name, {"shape": list(full.shape), "split_dim": specs[name].split_dim,
+                                                "dtype": str(full.dtype).replace("torch.", ""),
+                                                "padded_rows": specs[name].valid_rows is not None, "files": {}})
+                entry["files"][fname] = region
+            save_file(tensors, os.path.join(staging, fname))
+    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
+    layout = {"tp": tp, "pp": pp, "dp": 1, "zero": cfg.parallel.zero,
+              "virtual_stages": cfg.model.num_layers // (pp * vp) if vp > 1 else None}
+    meta = storage.metadata_dict(config=cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
+                                 model=index, optimizer_scalars={}, optimizer_files={})
+    storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
+    return storage.publish(root, staging, iteration, keep_last=None)
+
+
+def hf_tokenizer(sentencepiece_model: str) -> Any:
+    """A transformers fast tokenizer that encodes exactly as our sentencepiece BPE model does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    pieces = SentencePieceExtractor(sentencepiece_model).extract(BPE)
+    tok = Tokenizer(models.BPE(vocab=pieces["vocab"], merges=pieces["merges"], unk_token="<unk>",
+                               fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")  # trained without a dummy prefix, identity normaliser
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str | None,
+            max_shard_bytes: int = 5 * 2**30) -> None:
+    """config.json, model.safetensors (or model-0000i-of-0000n shards + index) and the tokenizer."""
+    os.makedirs(out_dir, exist_ok=True)
+    hf_config(cfg).save_pretrained(out_dir)
+    hf_state = to_hf(state, cfg)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in hf_state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.numel() * t.element_size() for t in hf_state.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
+    if tokenizer_model:
+        hf_tokenizer(tokenizer_model).save_pretrained(out_dir)
+        shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
+
+
+def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
+    kind = config.get("model_type")
+    if kind == "gpt2":
+        return ModelConfig(arch="gpt2", num_layers=config["n_layer"], hidden_size=config["n_embd"],
+                           num_attention_heads=config["n_head"], ffn_hidden_size=config.get("n_inner"),
+                           seq_length=config["n_positions"], max_position_embeddings=config["n_positions"],
+                           vocab_size=config["vocab_size"], norm_epsilon=config.get("layer_norm_epsilon", 1e-5))
+    if kind == "llama":
+        rope = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+        cfg = ModelConfig(arch="llama", num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
+                          num_attention_heads=config["num_attention_heads"],
+                          num_query_groups=config.get("num_key_value_heads"),
+                          ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
+                          vocab_size=config["vocab_size"], norm_epsilon=config.get("rms_norm_eps", 1e-6),
+                          rotary_base=float(rope),
+                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False))
+        if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
+            raise ValueError(f"HF head_dim {config['head_dim']} != hidden_size / num_attention_heads; unsupported.")
+        return cfg
+    raise ValueError(f"HF model_type {kind!r} is not supported; convert a gpt2 or llama model.")
+
+
+def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
+    """An HF folder's model config and state dict (single or sharded safetensors)."""
+    config_path = os.path.join(in_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"--input {in_dir!r} has no config.json; pass a HF transformers model folder.")
+    with open(config_path) as fh:
+        cfg = model_config_from_hf(json.load(fh))
+    index = os.path.join(in_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as fh:
+            files = sorted(set(json.load(fh)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state: State = {}
+    for fname in files:
+        path = os.path.join(in_dir, fname)
+        if not os.path.isfile(path):
+            raise ValueError(f"--input {in_dir!r} lacks {fname}; only safetensors HF folders are supported.")
+        state.update(load_file(path))
+    if cfg.arch == "llama" and cfg.tied_embeddings:
+        state.pop("lm_head.weight", None)
+    return cfg, state
+
+
+def hf_to_checkpoint(in_dir: str, out_root: str, *, tp: int, pp: int, vp: int = 1) -> str:
+    model_cfg, hf_state = load_hf(in_dir)
+    cfg = Config(model=model_cfg)
+    full = from_hf(hf_state, model_cfg, model_cfg.padded_vocab_size(tp))
+    return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp)

@@ -1,0 +1,60 @@
+"""Convert checkpoints: megazero (any layout) -> HF transformers, and HF -> megazero at any (tp, pp).
+
+    python tools/convert_checkpoint.py --input runs/ckpt --output hf_model --to hf
+    python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 --pp 2
+
+The HF folder holds config.json, model.safetensors (sharded above --max-shard-size) and a
+tokenizer that encodes exactly as the run's sentencepiece model; GPT2LMHeadModel or
+LlamaForCausalLM.from_pretrained loads it. A megazero checkpoint made from HF has no
+optimizer state: `pretrain_gpt.py --load DIR` continues pretraining from the weights.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megazero.checkpoint.convert import hf_to_checkpoint, read_full_state, save_hf  # noqa: E402
+
+
+def _tokenizer_for(cfg, explicit: str | None) -> str | None:
+    if explicit:
+        return explicit
+    if cfg.data.tokenizer_model:
+        return cfg.data.tokenizer_model
+    if cfg.data.data_path is None:  # trained on the default corpus: its tokenizer
+        from megazero.data import default_corpus
+
+        return default_corpus(log=lambda *_: None).tokenizer_model
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help="megazero --save folder, or a HF model folder")
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--to", required=True, choices=("hf", "megazero"))
+    parser.add_argument("--tp", type=int, default=1, help="target tensor-parallel size (--to megazero)")
+    parser.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size (--to megazero)")
+    parser.add_argument("--virtual-pipeline-size", type=int, default=1, help="model chunks per pipeline rank")
+    parser.add_argument("--tokenizer-model", help="sentencepiece model to ship with the HF folder")
+    parser.add_argument("--max-shard-size", type=float, default=5.0, help="GiB per HF safetensors file")
+    args = parser.parse_args(argv)
+    try:
+        if args.to == "hf":
+            cfg, state = read_full_state(args.input)
+            save_hf(args.output, cfg.model, state, _tokenizer_for(cfg, args.tokenizer_model),
+                    int(args.max_shard_size * 2**30))
+        else:
+            hf_to_checkpoint(args.input, args.output, tp=args.tp, pp=args.pp, vp=args.virtual_pipeline_size)
+    except ValueError as err:
+        print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

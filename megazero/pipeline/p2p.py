@@ -1,0 +1,106 @@
+"""Point-to-point transfers between adjacent pipeline stages.
+
+Activations travel forward (to the next stage) and their gradients backward
+(to the previous stage), always as tensors of one shape both sides computed
+from the config: [s, b, h], or [s/tp, b, h] under sequence parallelism. The
+receiver allocates that buffer; the sender asserts its tensor has that shape.
+
+One ``exchange`` call posts up to four ops as one batch (``batch_isend_irecv``),
+always in the order: activation send, activation receive, gradient send,
+gradient receive. Both backends match messages between a pair of ranks in
+the order they were posted, so this fixed order keeps the two streams apart
+even when the previous and next stage are the same rank (pp = 2, interleaved).
+Neighbours wrap around (rank pp-1's next is rank 0): the interleaved schedule
+sends a chunk's output from the last stage to the first stage's next chunk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config, ConfigError
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
+
+
+def stage_shape(cfg: Config) -> tuple[int, int, int]:
+    """[s, b, h] of the hidden states between stages ([s/tp, b, h] with sequence parallelism)."""
+    seq, tp = cfg.model.seq_length, cfg.parallel.tp
+    if cfg.parallel.sequence_parallel:
+        if seq % tp != 0:
+            raise ConfigError(f"--seq-length ({seq}) must be divisible by --tp ({tp}) with --sequence-parallel.")
+        seq //= tp
+    return (seq, cfg.training.micro_batch_size, cfg.model.hidden_size)
+
+
+@dataclass
+class StageLink:
+    """This rank's connection to its pipeline neighbours for tensors of one shape and dtype."""
+
+    pstate: ParallelState
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        pp, r = self.pstate.pp_size, self.pstate.pp_rank
+        self.next_rank = self.pstate.stage_rank((r + 1) % pp)
+        self.prev_rank = self.pstate.stage_rank((r - 1) % pp)
+
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.pstate.device, requires_grad=True)
+
+    def _check(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        assert tuple(t.shape) == self.shape and t.dtype == self.dtype, (
+            f"pipeline stage {self.pstate.pp_rank} sends {what} of shape {tuple(t.shape)} {t.dtype}, "
+            f"but stages agreed on {self.shape} {self.dtype}")
+        return t.detach().contiguous()
+
+    def exchange(self, send_next: torch.Tensor | None = None, recv_prev: bool = False,
+                 send_prev: torch.Tensor | None = None, recv_next: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Post the requested sends/receives as one batch and wait; returns (from_prev, from_next).
+
+        ``send_next`` is an activation for the next stage, ``recv_prev`` asks for one from the
+        previous stage; ``send_prev`` is an input gradient for the previous stage, ``recv_next``
+        asks for an output gradient from the next stage.
+        """
+        group = self.pstate.pp_group
+        from_prev = self._buffer() if recv_prev else None
+        from_next = self._buffer() if recv_next else None
+        ops: list[dist.P2POp] = []
+        if send_next is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_next, "an activation"), self.next_rank, group))
+        if from_prev is not None:
+            ops.append(dist.P2POp(dist.irecv, from_prev.data, self.prev_rank, group))
+        if send_prev is not None:
+            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "a gradient"), self.prev_rank, group))
+        if from_next is not None:
+            ops.append(dist.P2POp(dist.irecv, from_next.data, self.next_rank, group))
+        if ops:
+            for work in C.batch_isend_irecv(ops, group):
+                work.wait()
+        if from_next is not None:
+            from_next = from_next.detach()
+        return from_prev, from_next
+
+
+def verify_stage_shapes(pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Every stage must expect the same activation shape; raise on all ranks if not, before any send.
+
+    One all-gather of (shape, dtype) over the pipeline group, so a rank started with a
+    different --seq-length, --micro-batch-size or --hidden-size is caught everywhere at once.
+    """
+    if pstate.pp_group is None:
+        return
+    mine = torch.tensor([*shape, DTYPE_CODES.get(dtype, -1)], dtype=torch.int64, device=pstate.device)
+    everyone = torch.empty(pstate.pp_size * mine.numel(), dtype=torch.int64, device=pstate.device)
+    C.all_gather_into_tensor(everyone, mine, pstate.pp_group)
+    rows = everyone.view(pstate.pp_size, -1).tolist()
+    if any(row != rows[0] for row in rows):
+        described = "; ".join(f"stage {i}: [s, b, h]={row[:-1]} dtype code {row[-1]}" for i, row in enumerate(rows))
+        raise ConfigError(f"pipeline stages disagree on the activation shape ({described}); launch every rank "
+                          f"with the same --seq-length, --micro-batch-size, --hidden-size and precision.")

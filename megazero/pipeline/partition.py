@@ -1,0 +1,57 @@
+"""Which layers each pipeline rank holds, and building those model chunks.
+
+With ``pp`` stages and ``vp`` model chunks per rank (virtual stages, for the
+interleaved schedule) the model is cut into ``pp * vp`` equal runs of layers.
+Virtual stage ``c * pp + r`` is chunk ``c`` of pipeline rank ``r`` (Megatron's
+round-robin assignment), so with vp = 2, pp = 2 and 8 layers:
+
+    rank 0: chunk 0 = layers 0-1, chunk 1 = layers 4-5
+    rank 1: chunk 0 = layers 2-3, chunk 1 = layers 6-7
+
+The embedding lives on the very first virtual stage, the final norm, head and
+loss on the very last. Blocks are keyed by global layer index, so the seeded
+initialisation does not depend on the split.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from ..config import Config, ConfigError
+from ..model.gpt import GPTModel
+from ..model.transformer import TPContext
+from ..parallel.state import ParallelState
+from ..tensor_parallel.layers import initialize_parameters
+from ..tensor_parallel.random import TensorParallelRNG
+
+
+def chunk_layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[list[range]]:
+    """``ranges[r][c]``: the global layer indices of chunk ``c`` on pipeline rank ``r``."""
+    if pp < 1 or vp < 1 or num_layers % (pp * vp) != 0:
+        raise ConfigError(f"--num-layers ({num_layers}) must be divisible by --pp ({pp}) x "
+                          f"--virtual-pipeline-size ({vp}); change one of them.")
+    per_chunk = num_layers // (pp * vp)
+    return [[range((c * pp + r) * per_chunk, (c * pp + r + 1) * per_chunk) for c in range(vp)]
+            for r in range(pp)]
+
+
+def build_chunks(cfg: Config, pstate: ParallelState, vp: int = 1) -> list[nn.Module]:
+    """This rank's ``vp`` model chunks, initialised as slices of the seeded full model.
+
+    With tied embeddings split over stages, both copies of the word embedding are
+    marked so the optimizer sums their gradients over the embedding group: the
+    last stage's copy is ``is_embedding_copy`` (GPTModel marks it), the first
+    stage's original ``is_tied_embedding``.
+    """
+    rng = TensorParallelRNG(cfg.training.seed, pstate.tp_rank, pstate.device)
+    ctx = TPContext(group=pstate.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
+    ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp_size, vp)[pstate.pp_rank]
+    chunks: list[nn.Module] = []
+    for c, layer_ids in enumerate(ranges):
+        model = GPTModel(cfg.model, ctx, layer_ids=layer_ids,
+                         pre_process=pstate.is_first_stage and c == 0,
+                         post_process=pstate.is_last_stage and c == vp - 1)
+        if model.pre_process and pstate.pp_size > 1 and cfg.model.tied_embeddings:
+            model.embedding.word.weight.is_tied_embedding = True
+        initialize_parameters(model, cfg.training.seed, pstate.tp_group)
+        chunks.append(model.to(pstate.device))
+    return chunks

@@ -1,0 +1,118 @@
+"""Shared pieces of the pipeline tests: tiny configs, synthetic batches, one training run per config.
+
+A run trains 5 iterations with the real build functions, optimizer, schedule and
+``Trainer`` and returns the logged losses, the full (TP-gathered) weights of this
+rank's chunks and the schedule's own counts, for the parent test to compare with
+the serial run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                             TrainingConfig)
+from megazero.optimizer.data_parallel import DataParallelAdamW
+from megazero.parallel.layout import Layout
+from megazero.parallel.state import ParallelState
+from megazero.pipeline.schedules import build_schedule
+from megazero.training.logging import MetricsLog
+from megazero.training.setup import build_model_chunks
+from megazero.training.trainer import Trainer
+from tests.helpers.compare import full_params, rel_err
+
+VOCAB, ITERS = 1000, 5
+# The key bias has a zero gradient in exact arithmetic (softmax ignores a per-query shift), so
+# with a tiny eps Adam would turn rounding noise into +-lr steps that differ between any two
+# summation orders. eps = 1e-4 keeps such noise-only updates ~1e-6 of lr; real grads are >> eps.
+ADAM_EPS = 1e-4
+
+
+def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule: str | None = None,
+             vp: int | None = None, per_vstage: int | None = None, layers: int = 4, mbs: int = 2,
+             gbs: int = 8, seq: int = 16,
+             timeline: str | None = None) -> Config:
+    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
+    return Config(
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                sequence_parallel=sp, pipeline_schedule=schedule, virtual_pipeline_size=vp,
+                                num_layers_per_virtual_pipeline_stage=per_vstage),
+        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=seq, vocab_size=VOCAB, **heads),
+        optimizer=OptimizerConfig(lr=3e-3, lr_decay_style="constant", adam_eps=ADAM_EPS),
+        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS, seed=7,
+                                device="cpu"),
+        logging=LoggingConfig(log_interval=1, timeline=timeline))
+
+
+class SyntheticBatches:
+    """Seeded random token batches; each DP rank takes a contiguous slice of the global batch."""
+
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int) -> None:
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.step, self.consumed_samples = 0, 0
+
+    def next_step(self) -> list[torch.Tensor]:
+        t, seq = self.cfg.training, self.cfg.model.seq_length
+        gen = torch.Generator().manual_seed(1000 + self.step)
+        tokens = torch.randint(0, VOCAB, (t.global_batch_size, seq + 1), generator=gen)
+        self.step += 1
+        self.consumed_samples += t.global_batch_size
+        mine = tokens.view(self.dp_size, -1, seq + 1)[self.dp_rank]
+        return list(mine.split(t.micro_batch_size))
+
+
+def train(cfg: Config, pstate: ParallelState) -> dict:
+    """Five iterations through the real training pieces; returns losses, weights and schedule counts."""
+    chunks = build_model_chunks(cfg, pstate)
+    schedule = build_schedule(cfg, pstate)
+    trainer = Trainer(cfg, pstate, chunks, DataParallelAdamW(chunks, cfg.optimizer, pstate), schedule,
+                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size), MetricsLog(None, enabled=False))
+    records = trainer.train()
+    params: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        params.update(full_params(chunk, pstate.tp_group))
+    stats = getattr(schedule, "stats", None)
+    return {"losses": [r["loss"] for r in records], "params": params,
+            "max_in_flight": None if stats is None else stats.max_in_flight,
+            "bubble": [r.get("bubble_fraction") for r in records], "pp_rank": pstate.pp_rank}
+
+
+@dataclass
+class Run:
+    key: str
+    cfg: Config
+    layout: tuple[int, int, int] | None = None  # (tp, dp, pp) when not the spawned world's own layout
+
+
+def run_many(pstate: ParallelState, runs: list[Run]) -> dict[str, dict]:
+    """Every rank trains every run in order (new groups built, collectively, for other layouts)."""
+    states = {(pstate.layout.tp, pstate.layout.dp, pstate.layout.pp): pstate}
+    out = {}
+    for run in runs:
+        shape = run.layout or (pstate.layout.tp, pstate.layout.dp, pstate.layout.pp)
+        if shape not in states:
+            states[shape] = ParallelState.build(Layout(*shape), "cpu")
+        out[run.key] = train(run.cfg, states[shape])
+    return out
+
+
+def serial_reference(cfg: Config) -> dict:
+    """The same training in this process at tp = pp = dp = 1."""
+    flat = cfg.to_flat()
+    flat.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
+                pipeline_schedule=None, virtual_pipeline_size=None, num_layers_per_virtual_pipeline_stage=None,
+                timeline=None)
+    return train(Config.from_flat(flat), ParallelState.serial())
+
+
+def parity_errors(result: dict, ref: dict) -> dict[str, float]:
+    """Relative errors of each iteration's loss and of every weight this rank holds."""
+    errs = {f"loss[{i}]": abs(a - b) / abs(b) for i, (a, b) in enumerate(zip(result["losses"], ref["losses"]))}
+    assert len(result["losses"]) == len(ref["losses"]) == ITERS, (result["losses"], ref["losses"])
+    for name, p in result["params"].items():
+        expected = ref["params"][name]
+        if p.shape != expected.shape:  # vocabulary padding may differ with TP; real rows must match
+            p, expected = p[:VOCAB], expected[:VOCAB]
+        errs[name] = rel_err(p, expected)
+    return errs

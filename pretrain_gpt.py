@@ -13,12 +13,26 @@ import sys
 import torch.distributed as dist
 
 from megazero.arguments import parse_config
+from megazero.parallel.state import world_size_from_env
 from megazero.training.setup import run
+
+DRY_RUN_FLAGS = [
+    ("--dry-run", {"action": "store_true", "help": "Print the per-rank memory plan of this configuration and exit "
+                   "without building anything (see tools/plan_memory.py)."}),
+    ("--dp", {"type": int, "default": None, "help": "With --dry-run: data-parallel size to plan for "
+              "(default: WORLD_SIZE / (tp x pp))."}),
+]
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, _ = parse_config(argv)
+        cfg, ns = parse_config(argv, extra=DRY_RUN_FLAGS)
+        if ns.dry_run:  # the memory plan of this configuration; no process group, no model
+            from megazero.memory import format_plan, plan_for_run
+
+            world = cfg.parallel.tp * cfg.parallel.pp * ns.dp if ns.dp else world_size_from_env()
+            print(format_plan(plan_for_run(cfg, world)))
+            return 0
         run(cfg)
     except ValueError as err:
         if os.environ.get("MEGAZERO_DEBUG"):

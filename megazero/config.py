@@ -37,15 +37,24 @@ class ParallelConfig:
     zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients.",
                     choices=(0, 1, 2))
     sequence_parallel: bool = opt(False, "Shard LayerNorm/dropout regions along the sequence across TP ranks.")
-    pipeline_schedule: str = opt("1f1b", "Pipeline schedule; 'interleaved' needs virtual stages.",
-                                 choices=("gpipe", "1f1b", "interleaved"))
+    pipeline_schedule: str | None = opt(None, "Pipeline schedule; None = 1f1b, or interleaved when virtual "
+                                        "stages are given ('interleaved' needs them).",
+                                        choices=("gpipe", "1f1b", "interleaved"))
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None, "Layers per virtual stage (model chunk) for the interleaved schedule; None = one chunk per rank.")
+    bucket_size: int = opt(10_000_000, "Elements per gradient bucket: communication is launched per bucket "
+                           "as it fills during backward (larger = fewer, bigger collectives).")
+    overlap_param_gather: bool = opt(False, "ZeRO 1/2: all-gather updated weights asynchronously and wait for "
+                                     "each bucket only in the next forward that uses it.")
+    virtual_pipeline_size: int | None = opt(
+        None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
+        "None or 1 = one chunk.")
 
     def __post_init__(self) -> None:
         _require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
         _require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
         _require(self.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {self.zero}.")
+        _require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
 
     @property
     def tp(self) -> int:
@@ -54,6 +63,34 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
+
+    def virtual_size(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank, from either virtual-stage flag (they must agree)."""
+        per_stage, vp = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_size
+        _require(per_stage is None or per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1.")
+        _require(vp is None or vp >= 1, "--virtual-pipeline-size must be >= 1.")
+        if per_stage is None:
+            return vp or 1
+        _require(num_layers % (self.pp * per_stage) == 0,
+                 f"--num-layers ({num_layers}) must be divisible by --pp ({self.pp}) x "
+                 f"--num-layers-per-virtual-pipeline-stage ({per_stage}); change one of them.")
+        derived = num_layers // (self.pp * per_stage)
+        _require(vp is None or vp == derived,
+                 f"--virtual-pipeline-size ({vp}) disagrees with --num-layers-per-virtual-pipeline-stage "
+                 f"({per_stage}), which gives {derived} chunks; pass only one of them.")
+        return derived
+
+    def schedule_name(self, num_layers: int) -> str:
+        """The schedule to run: the flag, or 1f1b / interleaved (with virtual stages) by default."""
+        vp = self.virtual_size(num_layers)
+        name = self.pipeline_schedule or ("interleaved" if vp > 1 else "1f1b")
+        _require(name != "interleaved" or vp > 1,
+                 "--pipeline-schedule interleaved needs --virtual-pipeline-size (or "
+                 "--num-layers-per-virtual-pipeline-stage) giving >= 2 chunks per rank.")
+        _require(name == "interleaved" or vp == 1,
+                 f"--pipeline-schedule {name} runs one chunk per rank; drop the virtual-stage flags or use "
+                 f"--pipeline-schedule interleaved.")
+        return name
 
 
 @dataclass(kw_only=True)
@@ -165,19 +202,40 @@ class TrainingConfig:
     device: str = opt("auto", "cpu, cuda, or auto (cuda when available).", choices=("auto", "cpu", "cuda"))
     bf16: bool = opt(False, "bf16 compute weights with fp32 master weights.")
     fp16: bool = opt(False, "fp16 compute weights with fp32 master weights and dynamic loss scaling.")
+    main_grads_dtype: str = opt("fp32", "Dtype of the accumulated main gradients with --bf16/--fp16 "
+                                "(bf16 = the ZeRO paper's 2+2+12 bytes/param).", choices=("fp32", "bf16"))
+    initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.")
+    min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.")
+    loss_scale_window: int = opt(1000, "--fp16: double the loss scale after this many steps without overflow.")
     eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.")
     eval_iters: int = opt(2, "Global batches per evaluation.")
+    recompute: str = opt("none", "Activation recomputation: none; selective (re-run the attention core in "
+                         "backward); full (keep only each block's input, re-run the block).",
+                         choices=("none", "selective", "full"))
+    recompute_num_layers: int | None = opt(None, "With --recompute full: recompute only the first N blocks of "
+                                           "each model chunk; None = all of them.")
 
     def __post_init__(self) -> None:
+        _require(self.recompute in ("none", "selective", "full"),
+                 f"--recompute must be none, selective or full, got {self.recompute!r}.")
+        _require(self.recompute_num_layers is None or self.recompute_num_layers >= 0,
+                 "--recompute-num-layers must be >= 0 (or omitted for all blocks).")
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
             _require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
         _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; pick one.")
+        _require(self.main_grads_dtype == "fp32" or self.bf16 or self.fp16,
+                 "--main-grads-dtype bf16 needs --bf16 or --fp16; drop it for fp32 training.")
+        _require(self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale,
+                 "--initial-loss-scale must be >= --min-loss-scale > 0.")
+        _require(self.loss_scale_window >= 1, "--loss-scale-window must be >= 1.")
 
 
 @dataclass(kw_only=True)
 class LoggingConfig:
     log_interval: int = opt(10, "Print and record metrics every N iterations.")
     metrics_file: str | None = opt(None, "Append one JSON object per logged iteration to this file.")
+    timeline: str | None = opt(None, "Write each rank's forward/backward spans as Chrome-trace JSON to this path "
+                               "('{rank}' in it is replaced, else '.rank<N>' is added before the extension).")
 
     def __post_init__(self) -> None:
         _require(self.log_interval >= 1, "--log-interval must be >= 1.")
@@ -226,12 +284,31 @@ class Config:
                  f"({t.micro_batch_size}) x data-parallel size ({dp}); adjust one of them.")
         return t.global_batch_size // (t.micro_batch_size * dp)
 
+    def check_pipeline(self, dp: int) -> int:
+        """Layers must split evenly into pp x vp chunks; interleaving needs m divisible by pp. Returns vp."""
+        pp, layers = self.parallel.pp, self.model.num_layers
+        _require(pp <= layers, f"--pipeline-model-parallel-size/--pp ({pp}) exceeds --num-layers ({layers}); "
+                               f"every stage needs at least one layer, so lower --pp.")
+        _require(layers % pp == 0, f"--num-layers ({layers}) must be divisible by --pp ({pp}); "
+                                   f"choose a --pp that divides the layer count.")
+        vp = self.parallel.virtual_size(layers)
+        _require(layers % (pp * vp) == 0,
+                 f"--num-layers ({layers}) must be divisible by --pp ({pp}) x --virtual-pipeline-size ({vp}); "
+                 f"change one of them.")
+        if self.parallel.schedule_name(layers) == "interleaved":
+            m = self.check_batch(dp)
+            _require(pp >= 2, "the interleaved schedule needs --pp >= 2; drop the virtual-stage flags.")
+            _require(m % pp == 0,
+                     f"the interleaved schedule needs micro-batches per step ({m} = --global-batch-size "
+                     f"{self.training.global_batch_size} / (--micro-batch-size {self.training.micro_batch_size} "
+                     f"x dp {dp})) divisible by --pp ({pp}); adjust --global-batch-size.")
+        return vp
+
     def check_tensor_parallel(self) -> None:
         """The model must split evenly over TP ranks (heads, query groups, MLP width)."""
         tp, m = self.parallel.tp, self.model
-        for what, value in (("--num-attention-heads", m.num_attention_heads),
-                            ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size),
-                            ("--hidden-size", m.hidden_size)):
+        for what, value in (("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
+                            ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size)):
             _require(value % tp == 0, f"{what} ({value}) must be divisible by --tensor-model-parallel-size "
                                       f"({tp}); choose a --tp that divides it.")
         _require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,

@@ -52,6 +52,11 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
+# newer torch renamed the flat-tensor collectives (the old names warn); older torch has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def _size(group) -> int:
     return dist.get_world_size(group)
 
@@ -69,14 +74,14 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = Fa
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
     n = _size(group)
     LEDGER.add("all_gather", group, (n - 1) / n * _nbytes(out))
-    return dist.all_gather_into_tensor(out, t, group=group, async_op=async_op)
+    return _ALL_GATHER(out, t, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, op=dist.ReduceOp.SUM,
                           async_op: bool = False):
     n = _size(group)
     LEDGER.add("reduce_scatter", group, (n - 1) / n * _nbytes(t))
-    return dist.reduce_scatter_tensor(out, t, op=op, group=group, async_op=async_op)
+    return _REDUCE_SCATTER(out, t, op=op, group=group, async_op=async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group, async_op: bool = False):

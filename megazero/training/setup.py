@@ -13,10 +13,11 @@ from ..config import Config
 from ..data import build_data
 from ..model.gpt import GPTModel, count_parameters
 from ..model.transformer import TPContext
-from ..optimizer.data_parallel import DataParallelAdamW
+from ..optimizer.accounting import memory_records
+from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from ..parallel.layout import Layout
 from ..parallel.state import ParallelState, default_device, init_distributed, world_size_from_env
-from ..pipeline.schedules import get_schedule
+from ..pipeline.schedules import build_schedule
 from ..tensor_parallel.layers import initialize_parameters
 from ..tensor_parallel.random import TensorParallelRNG, seed_everything
 from .logging import MetricsLog
@@ -28,20 +29,31 @@ def validate(cfg: Config, world_size: int) -> Layout:
     layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
     cfg.check_tensor_parallel()
     cfg.check_batch(layout.dp)
+    cfg.check_pipeline(layout.dp)
     return layout
 
 
 def build_model_chunks(cfg: Config, pstate: ParallelState) -> list[nn.Module]:
-    """This rank's model chunk(s), initialised as slices of the seeded full model."""
-    rng = TensorParallelRNG(cfg.training.seed, pstate.tp_rank, pstate.device)
-    ctx = TPContext(group=pstate.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
-    model = GPTModel(cfg.model, ctx)
-    initialize_parameters(model, cfg.training.seed, pstate.tp_group)
-    return [model.to(pstate.device)]
+    """This rank's model chunk(s), initialised as slices of the seeded full model.
+
+    Also checks, with one all-gather over the pipeline group, that every stage expects
+    the same activation shape (a mismatch raises on every rank before any send).
+    """
+    from ..pipeline.p2p import stage_shape, verify_stage_shapes
+    from ..pipeline.partition import build_chunks
+
+    chunks = build_chunks(cfg, pstate, cfg.check_pipeline(pstate.dp_size))
+    verify_stage_shapes(pstate, stage_shape(cfg), next(chunks[0].parameters()).dtype)
+    from ..model.recompute import apply_recompute
+
+    for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
+        apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
+    return chunks
 
 
-def build_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState):
-    return DataParallelAdamW(chunks, cfg.optimizer, pstate)
+def build_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState) -> DistributedOptimizer:
+    """The ZeRO optimizer for ``--zero``; casts the chunks to bf16/fp16 under --bf16/--fp16."""
+    return build_distributed_optimizer(cfg, chunks, pstate)
 
 
 def run(cfg: Config, log_fn=print) -> list[dict]:
@@ -69,8 +81,10 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     batches = MicroBatchIterator(data.train, t.global_batch_size, t.micro_batch_size,
                                  pstate.dp_rank, pstate.dp_size)
     log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
-    trainer = Trainer(cfg, pstate, chunks, build_optimizer(cfg, chunks, pstate),
-                      get_schedule(cfg.parallel.pipeline_schedule, pstate), batches, log)
+    optimizer = build_optimizer(cfg, chunks, pstate)
+    for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
+        log.record(record)
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate), batches, log)
     try:
         return trainer.train()
     finally:

@@ -5,11 +5,11 @@ import time
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import Config
 from ..optimizer.lr import LRSchedule
+from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .logging import MetricsLog, format_iteration, peak_memory_bytes
 
@@ -22,6 +22,7 @@ class Trainer:
         self.lr = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.iteration = 0
         self.skipped = 0
+        C.LEDGER.enabled = True  # bytes sent per collective kind and group, taken per step
 
     def train_step(self) -> tuple[float, Any, float]:
         """Run one global batch; returns (mean loss over the global batch, optimizer result, lr)."""
@@ -35,13 +36,15 @@ class Trainer:
         return self._mean_loss(losses), result, lr
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """Average of the micro-batch losses over the DP group (meaningful on the last stage)."""
-        if not losses:
+        """Average of the micro-batch losses over the DP group, broadcast from the last pipeline stage."""
+        if not losses and self.pstate.pp_group is None:
             return float("nan")
-        loss = torch.stack(losses).float().mean()
-        if self.pstate.dp_group is not None:
-            dist.all_reduce(loss, group=self.pstate.dp_group)
+        loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=self.pstate.device)
+        if losses and self.pstate.dp_group is not None:
+            C.all_reduce(loss, self.pstate.dp_group)
             loss /= self.pstate.dp_size
+        if self.pstate.pp_group is not None:  # only the last stage computed it; every rank logs it
+            C.broadcast(loss, self.pstate.stage_rank(self.pstate.pp_size - 1), self.pstate.pp_group)
         return float(loss)
 
     def train(self) -> list[dict[str, Any]]:
@@ -52,6 +55,7 @@ class Trainer:
             start = time.perf_counter()
             loss, result, lr = self.train_step()
             elapsed = time.perf_counter() - start
+            comm_bytes = C.LEDGER.take()
             self.iteration += 1
             self.skipped += int(result.skipped)
             if self.iteration % self.cfg.logging.log_interval == 0 or self.iteration == t.train_iters:
@@ -61,10 +65,14 @@ class Trainer:
                     "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                     "skipped_iterations": self.skipped, "step_time_ms": 1000 * elapsed,
                     "tokens_per_sec": tokens_per_step / elapsed,
-                    "peak_memory_bytes": peak_memory_bytes(self.pstate.device),
+                    "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": comm_bytes,
                 }
+                if getattr(self.schedule, "timeline", None) is not None:  # --timeline: this rank's idle share
+                    record["bubble_fraction"] = self.schedule.timeline.last_bubble_fraction()
                 records.append(record)
                 if self.pstate.is_logging_rank:
                     self.log.record(record)
                     self.log.print(format_iteration(record))
+        if getattr(self.schedule, "timeline", None) is not None and self.cfg.logging.timeline:
+            self.schedule.timeline.write(self.cfg.logging.timeline)
         return records

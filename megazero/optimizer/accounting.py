@@ -1,0 +1,68 @@
+"""Model-state memory, measured from the tensors' own storage (not computed from formulas).
+
+At start-up every rank reports the bytes it holds in parameters, gradients
+(main-grad buffer or ZeRO-2 shard) and optimizer state (fp32 master copy and
+Adam moments). Views share storage, so each storage is counted once.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from ..model.gpt import count_parameters
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from .zero import DistributedOptimizer
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    """Bytes of the distinct storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def model_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+    params = storage_bytes(buf.param_data for buf in opt.buffers)
+    grads = storage_bytes([buf.grad_data for buf in opt.buffers] + [buf.grad_shard_data for buf in opt.buffers]
+                          + [b.grad for buf in opt.buffers for b in buf.buckets])
+    optimizer = storage_bytes(t for state in opt.states for t in state.tensors())
+    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer}
+
+
+def num_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:
+    """Parameters of the whole model (every stage, TP slices counted at full size, tied once)."""
+    local = sum(count_parameters(c, pstate.tp_size) for c in chunks)
+    total = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
+    if pstate.pp_group is not None:
+        C.all_reduce(total, pstate.pp_group)
+    return int(total.item())
+
+
+def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: ParallelState) -> dict[str, Any]:
+    """The ``"event": "memory"`` metrics record of this rank."""
+    buf = opt.buffers[0]
+    return {
+        "event": "memory", "rank": pstate.rank, **model_state_bytes(opt),
+        "num_parameters": num_parameters(chunks, pstate),
+        "local_parameters": sum(p.numel() for b in opt.buffers for p in b.params),
+        "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "zero": opt.zero,
+                   "param_dtype": str(buf.param_data.dtype).replace("torch.", ""),
+                   "main_grads_dtype": str(buf.grad_dtype).replace("torch.", ""),
+                   "buckets": sum(len(b.buckets) for b in opt.buffers)},
+    }
+
+
+def memory_records(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: ParallelState) -> list[dict]:
+    """Every rank's memory record, gathered so the logging rank can write them all (call on all ranks)."""
+    import torch.distributed as dist
+
+    record = memory_record(opt, chunks, pstate)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [record]
+    return C.all_gather_object(record)

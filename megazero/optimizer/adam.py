@@ -1,0 +1,91 @@
+"""AdamW on flat shards: the arithmetic of ``torch.optim.AdamW``, applied to a bucket shard.
+
+The distributed optimizer owns, per bucket, one contiguous shard of fp32
+master weights and of the two moments. A shard spans pieces of several
+parameters, so weight decay (matrices only; not biases or norm weights) is
+applied per ``Segment``; everything else is one vectorised update per shard.
+The formulas and their order are torch's single-tensor AdamW, so one process
+with this code reproduces ``torch.optim.AdamW`` on the same gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .buffers import Segment
+
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool = False
+    loss_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    lr: float
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+
+
+def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+@torch.no_grad()
+def adamw_shard_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                     segments: list[Segment], h: AdamHyper, step: int) -> None:
+    """One AdamW step on a shard. master, grad, exp_avg, exp_avg_sq: [shard_numel] fp32.
+
+    Padding elements have zero grad and zero weight, so they stay zero.
+    """
+    if h.weight_decay != 0.0:
+        for seg in segments:
+            if seg.decay:
+                master[seg.lo: seg.hi].mul_(1 - h.lr * h.weight_decay)
+    exp_avg.lerp_(grad, 1 - h.beta1)
+    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
+    bias_correction1 = 1 - h.beta1 ** step
+    bias_correction2 = 1 - h.beta2 ** step
+    step_size = h.lr / bias_correction1
+    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(h.eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+class ShardedAdamState:
+    """fp32 master weights and moments for this rank's shard of every bucket of one buffer.
+
+    When the compute dtype is fp32 the parameter buffer's own shard is the
+    master copy (no second fp32 copy is kept); otherwise a separate fp32
+    tensor holds it and updated values are cast back into the parameters.
+    """
+
+    def __init__(self, param_shards: list[torch.Tensor]) -> None:
+        total = sum(t.numel() for t in param_shards)
+        device = param_shards[0].device if param_shards else torch.device("cpu")
+        self.separate_master = bool(param_shards) and param_shards[0].dtype != torch.float32
+        self.master_data = None
+        if self.separate_master:
+            self.master_data = torch.cat([t.float() for t in param_shards])
+        self.exp_avg_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.exp_avg_sq_data = torch.zeros(total, dtype=torch.float32, device=device)
+        self.views: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        offset = 0
+        for t in param_shards:
+            sl = slice(offset, offset + t.numel())
+            master = self.master_data[sl] if self.separate_master else t
+            self.views.append((master, self.exp_avg_data[sl], self.exp_avg_sq_data[sl]))
+            offset += t.numel()
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors this state owns (for memory accounting)."""
+        own = [self.exp_avg_data, self.exp_avg_sq_data]
+        return own + ([self.master_data] if self.master_data is not None else [])

@@ -1,0 +1,188 @@
+"""Contiguous parameter and gradient buffers for one model chunk, split into buckets.
+
+Every trainable parameter of a chunk becomes a view into one flat
+``param_data`` tensor (compute dtype), and its gradient accumulates into a
+view of a flat main-grad tensor (``p.main_grad``, fp32 or bf16). Parameters
+are laid out in *reverse* registration order, which is roughly the order
+backward produces their gradients, so buckets fill one after another and
+their communication can start while backward continues.
+
+Buckets hold whole parameters and are padded to a multiple of
+``num_shards`` (the DP size under ZeRO 1/2, else 1) so every rank owns an
+equal, contiguous 1/num_shards slice of each bucket: its *shard*. A tied
+word embedding gets a bucket of its own, so the first and last pipeline
+stage shard it identically and can sum their shards over the embedding group.
+
+Gradient storage depends on the stage:
+- ``shard_grads=False`` (ZeRO 0/1): one persistent full-size grad buffer;
+  a bucket's shard is a view into it (reduce-scatter runs in place).
+- ``shard_grads=True`` (ZeRO 2): a persistent grad *shard* per bucket, and
+  a full-size bucket gradient that exists only from the first gradient that
+  reaches the bucket in a step until its reduce-scatter has completed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..tensor_parallel.layers import spec_of
+
+PAD_ALIGN = 16  # elements: keeps every shard 32/64-byte aligned for bf16/fp32 kernels
+
+
+def is_tied_embedding(p: torch.Tensor) -> bool:
+    """Either copy of a word embedding tied across the first and last pipeline stage."""
+    return getattr(p, "is_tied_embedding", False) or getattr(p, "is_embedding_copy", False)
+
+
+@dataclass
+class Segment:
+    """The piece of one parameter inside this rank's shard of a bucket.
+
+    ``shard[lo:hi]`` holds ``param.view(-1)[param_lo : param_lo + hi - lo]``.
+    """
+
+    param: nn.Parameter
+    lo: int
+    hi: int
+    param_lo: int
+
+    @property
+    def decay(self) -> bool:
+        return self.param.ndim >= 2  # biases and norm weights are not decayed
+
+    @property
+    def tp_sync(self) -> bool:
+        return spec_of(self.param).sequence_parallel
+
+    @property
+    def emb_sync(self) -> bool:
+        return is_tied_embedding(self.param)
+
+
+@dataclass
+class Bucket:
+    """Whole parameters occupying ``[offset, offset + numel)`` of the chunk's buffers."""
+
+    index: int
+    params: list[nn.Parameter]
+    offset: int
+    numel: int
+    shard_lo: int  # this rank's shard, in buffer coordinates
+    shard_hi: int
+    segments: list[Segment] = field(default_factory=list)
+    ready: int = 0  # params whose grads arrived in the current backward
+    launched: bool = False  # gradient communication issued this step
+    grad: torch.Tensor | None = None  # full-size bucket gradient (transient under ZeRO 2)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.shard_hi - self.shard_lo
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int,
+                 shard_rank: int) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
+    """Group params (already in buffer order) into padded buckets; returns buckets and param offsets."""
+    buckets: list[Bucket] = []
+    offsets: dict[nn.Parameter, int] = {}
+    pending: list[nn.Parameter] = []
+    cursor = 0
+
+    def close() -> None:
+        nonlocal cursor, pending
+        if not pending:
+            return
+        used = sum(p.numel() for p in pending)
+        align = num_shards * PAD_ALIGN
+        numel = -(-used // align) * align
+        shard = numel // num_shards
+        buckets.append(Bucket(index=len(buckets), params=pending, offset=cursor, numel=numel,
+                              shard_lo=cursor + shard_rank * shard, shard_hi=cursor + (shard_rank + 1) * shard))
+        cursor += numel
+        pending = []
+
+    for p in params:
+        if is_tied_embedding(p):
+            close()  # a tied embedding is alone in its bucket (same shards on both stages)
+        offsets[p] = cursor + sum(q.numel() for q in pending)
+        pending.append(p)
+        if is_tied_embedding(p) or sum(q.numel() for q in pending) >= bucket_size:
+            close()
+    close()
+    for b in buckets:
+        for p in b.params:
+            lo, hi = max(offsets[p], b.shard_lo), min(offsets[p] + p.numel(), b.shard_hi)
+            if lo < hi:
+                b.segments.append(Segment(p, lo - b.shard_lo, hi - b.shard_lo, lo - offsets[p]))
+    return buckets, offsets
+
+
+class ParamGradBuffer:
+    """Flat storage for one chunk's parameters and main gradients (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], *, bucket_size: int, num_shards: int, shard_rank: int,
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, shard_grads: bool,
+                 device: torch.device) -> None:
+        self.params = list(reversed(params))  # backward order
+        self.num_shards, self.grad_dtype, self.shard_grads = num_shards, grad_dtype, shard_grads
+        self.buckets, self.offsets = plan_buckets(self.params, bucket_size, num_shards, shard_rank)
+        self.numel = sum(b.numel for b in self.buckets)
+        self.device = device
+        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+        for p in self.params:
+            view = self.param_data[self.offsets[p]: self.offsets[p] + p.numel()]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view_as(p)  # the model now computes with views into the buffer
+        self.grad_data: torch.Tensor | None = None  # full main-grad buffer (ZeRO 0/1)
+        self.grad_shard_data: torch.Tensor | None = None  # persistent grad shards (ZeRO 2)
+        if shard_grads:
+            self.grad_shard_data = torch.zeros(self.numel // num_shards, dtype=grad_dtype, device=device)
+        else:
+            self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
+            for b in self.buckets:
+                self._attach_grad(b, self.grad_data[b.offset: b.offset + b.numel])
+
+    def _attach_grad(self, b: Bucket, grad_b: torch.Tensor) -> None:
+        """Point ``p.main_grad`` of every param of ``b`` into the bucket gradient ``grad_b`` [numel]."""
+        b.grad = grad_b
+        for p in b.params:
+            start = self.offsets[p] - b.offset
+            p.main_grad = grad_b[start: start + p.numel()].view_as(p)
+
+    def bucket_grad(self, b: Bucket) -> torch.Tensor:
+        """The full-size gradient [numel] of bucket ``b``; allocated (zeros) on demand under ZeRO 2."""
+        if b.grad is None:
+            assert self.shard_grads, "ZeRO 0/1 buckets keep their gradient views for the whole run"
+            self._attach_grad(b, torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device))
+        return b.grad
+
+    def release(self, b: Bucket) -> None:
+        """ZeRO 2: drop the full-size bucket gradient once its shard has been reduced out of it."""
+        if self.shard_grads:
+            b.grad = None
+            for p in b.params:
+                p.main_grad = None
+
+    def grad_shard(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced-gradient shard [shard_numel] of bucket ``b``."""
+        if self.shard_grads:
+            lo = b.offset // self.num_shards
+            return self.grad_shard_data[lo: lo + b.shard_numel]
+        return self.grad_data[b.shard_lo: b.shard_hi]
+
+    def param_shard(self, b: Bucket) -> torch.Tensor:
+        return self.param_data[b.shard_lo: b.shard_hi]
+
+    def param_bucket(self, b: Bucket) -> torch.Tensor:
+        return self.param_data[b.offset: b.offset + b.numel]
+
+    def zero_grad(self) -> None:
+        """Start a step: accumulation restarts from zero and no bucket has communicated."""
+        if self.grad_data is not None:
+            self.grad_data.zero_()
+        for b in self.buckets:
+            b.ready, b.launched = 0, False
+            if self.shard_grads:
+                self.release(b)

@@ -1,0 +1,91 @@
+"""Shared pieces of the optimizer tests: a tiny config, synthetic batches, one training run.
+
+``train`` runs the real build functions, ZeRO optimizer, schedule and ``Trainer``
+for a few iterations and returns the logged records plus the full (TP-gathered)
+weights of this rank's chunks, for the parent test to compare with a serial run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.optimizer.zero import build_distributed_optimizer
+from megazero.parallel.state import ParallelState
+from megazero.pipeline.schedules import build_schedule
+from megazero.training.logging import MetricsLog
+from megazero.training.setup import build_model_chunks
+from megazero.training.trainer import Trainer
+from tests.helpers.compare import full_params, rel_err
+
+VOCAB, ITERS = 1000, 3
+# The attention key bias has an exactly-zero gradient (softmax ignores a per-query shift), so
+# with a tiny eps Adam would turn rounding noise into +-lr steps that differ between any two
+# summation orders. eps = 1e-5 keeps such noise-only updates ~1e-5 of lr; real grads are >> eps.
+ADAM_EPS = 1e-4
+
+
+def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: int = 4, gbs: int = 8,
+             clip: float = 0.0, bucket: int = 3000, overlap: bool = False, layers: int = 2, hidden: int = 32,
+             iters: int = ITERS, vp: int | None = None, **training: Any) -> Config:
+    return Config(
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero=zero,
+                                sequence_parallel=sp, bucket_size=bucket, overlap_param_gather=overlap,
+                                virtual_pipeline_size=vp),
+        model=ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden, num_attention_heads=4,
+                          seq_length=16, vocab_size=VOCAB),
+        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1,
+                                  clip_grad=clip),
+        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, seed=7,
+                                device="cpu", **training),
+        logging=LoggingConfig(log_interval=1))
+
+
+class SyntheticBatches:
+    """Seeded random token batches; each DP rank takes a contiguous slice of the global batch."""
+
+    def __init__(self, cfg: Config, dp_rank: int, dp_size: int) -> None:
+        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
+        self.step, self.consumed_samples = 0, 0
+
+    def next_step(self) -> list[torch.Tensor]:
+        t, seq = self.cfg.training, self.cfg.model.seq_length
+        gen = torch.Generator().manual_seed(1000 + self.step)
+        tokens = torch.randint(0, VOCAB, (t.global_batch_size, seq + 1), generator=gen)
+        self.step += 1
+        self.consumed_samples += t.global_batch_size
+        mine = tokens.view(self.dp_size, -1, seq + 1)[self.dp_rank]
+        return list(mine.split(t.micro_batch_size))
+
+
+def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
+    """A few iterations through the real training pieces; returns records and final full weights."""
+    chunks = build_model_chunks(cfg, pstate)
+    optimizer = build_distributed_optimizer(cfg, chunks, pstate)
+    if hook is not None:
+        hook(chunks, optimizer, pstate)
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate),
+                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size), MetricsLog(None, enabled=False))
+    records = trainer.train()
+    optimizer.wait_param_gather()
+    params: dict[str, torch.Tensor] = {}
+    for chunk in chunks:
+        params.update({k: v.float() for k, v in full_params(chunk, pstate.tp_group).items()})
+    return {"records": records, "params": params, "pp_rank": pstate.pp_rank}
+
+
+def compare_runs(run: dict[str, Any], ref: dict[str, Any], tag: str) -> dict[str, float]:
+    """Relative errors of losses, grad norms (per iteration) and final weights (per name) against ``ref``."""
+    errs: dict[str, float] = {}
+    for i, (r, e) in enumerate(zip(run["records"], ref["records"])):
+        errs[f"{tag}.loss[{i}]"] = abs(r["loss"] - e["loss"]) / abs(e["loss"])
+        errs[f"{tag}.grad_norm[{i}]"] = abs(r["grad_norm"] - e["grad_norm"]) / abs(e["grad_norm"])
+    assert len(run["records"]) == len(ref["records"]), tag
+    for name, value in run["params"].items():
+        errs[f"{tag}.{name}"] = rel_err(value, ref["params"][name])
+    return errs
+
+
+def failures(errs: dict[str, float], tol: float = 1e-5) -> dict[str, float]:
+    return {k: v for k, v in errs.items() if not v <= tol}

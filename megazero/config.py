@@ -237,8 +237,30 @@ class LoggingConfig:
     timeline: str | None = opt(None, "Write each rank's forward/backward spans as Chrome-trace JSON to this path "
                                "('{rank}' in it is replaced, else '.rank<N>' is added before the extension).")
 
+    log_timers: bool = opt(False, "Also log the seconds this rank was blocked in tp/pp/dp communication per "
+                                  "step, and the pipeline bubble fraction.")
+    wandb_project: str | None = opt(None, "Log to Weights & Biases under this project (rank 0 of the last stage).")
+    wandb_name: str | None = opt(None, "wandb run name.")
+    wandb_mode: str | None = opt(None, "wandb mode; None = online with an API key configured, else offline.",
+                                 choices=("online", "offline", "disabled"))
+    wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.")
+
     def __post_init__(self) -> None:
         _require(self.log_interval >= 1, "--log-interval must be >= 1.")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: str | None = opt(None, "Folder to write checkpoints to (each iteration in its own iter_* folder).")
+    save_interval: int = opt(0, "Save every N iterations (and at the end, and on SIGTERM/SIGINT); 0 = only "
+                                "at the end and on a signal.")
+    load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
+                                 "tp/pp/dp/zero layout loads into any other of the same model.")
+    keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.")
+
+    def __post_init__(self) -> None:
+        _require(self.save_interval >= 0, "--save-interval must be >= 0.")
+        _require(self.keep_last is None or self.keep_last >= 1, "--keep-last must be >= 1.")
 
 
 SECTIONS: dict[str, type] = {
@@ -248,6 +270,7 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "training": TrainingConfig,
     "logging": LoggingConfig,
+    "checkpoint": CheckpointConfig,
 }
 
 
@@ -261,6 +284,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
     def from_flat(cls, settings: dict[str, Any]) -> "Config":

@@ -28,18 +28,25 @@ from .slices import relative, tp_region
 State = dict[str, torch.Tensor]
 
 
-def read_full_state(path: str) -> tuple[Config, State]:
-    """Every tensor of a megazero checkpoint, reassembled at full size (vocabulary padding kept)."""
+def read_full_state(path: str, tp: int | None = None) -> tuple[Config, State]:
+    """Every tensor of a megazero checkpoint, reassembled at full size.
+
+    Vocabulary padding is kept as saved, or fitted to ``tp`` when given (``tp=1`` gives
+    the state dict of a serial ``GPTModel``).
+    """
     folder = storage.resolve(path)
     meta = storage.read_metadata(folder)
+    cfg = Config.from_flat(meta["config"])
     reader, state = ShardReader(folder), {}
     for name, entry in meta["model"].items():
         full = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
         whole = [(0, n) for n in entry["shape"]]
         for fname, region in entry["files"].items():
             full[relative([tuple(r) for r in region], whole)] = reader.read(fname, name, [b - a for a, b in region])
+        if tp is not None and entry["padded_rows"]:
+            full = _fit_rows(full, cfg.model.padded_vocab_size(tp))
         state[name] = full
-    return Config.from_flat(meta["config"]), state
+    return cfg, state
 
 
 def _fit_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -88,7 +95,7 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
             save_file(tensors, os.path.join(staging, fname))
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
     layout = {"tp": tp, "pp": pp, "dp": 1, "zero": cfg.parallel.zero,
-              "virtual_stages": cfg.model.num_layers // (pp * vp) if vp > 1 else None}
+              "virtual_stages": vp}
     meta = storage.metadata_dict(config=cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
                                  model=index, optimizer_scalars={}, optimizer_files={})
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)

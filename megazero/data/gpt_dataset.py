@@ -26,7 +26,7 @@ import torch
 
 from megazero.data.indexed import IndexedDataset
 
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: order independent of num_samples
 _NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
@@ -69,7 +69,14 @@ def build_sample_index(doc_lengths: np.ndarray, doc_idx: np.ndarray, seq_length:
 def build_indices(
     doc_lengths: np.ndarray, doc_indices: np.ndarray, seq_length: int, num_samples: int, seed: int
 ) -> dict[str, np.ndarray]:
-    """Compute doc_idx / sample_idx / shuffle_idx for enough epochs."""
+    """Compute doc_idx / sample_idx / shuffle_idx for enough epochs.
+
+    The order depends on the number of epochs only, not on ``num_samples``: every
+    window of those epochs is indexed and shuffled epoch by epoch, and the dataset
+    reads the first ``num_samples`` of that order. So a shorter run reads a prefix
+    of a longer run's samples, and a resumed run with another --train-iters
+    continues the same sequence.
+    """
     tokens_per_epoch = int(doc_lengths[doc_indices].sum())
     if tokens_per_epoch < 2:
         raise ValueError("the selected documents hold fewer than 2 tokens; add data or change --split")
@@ -82,8 +89,12 @@ def build_indices(
         rng.shuffle(epoch)
         epochs.append(epoch)
     doc_idx = np.concatenate(epochs)
-    sample_idx = build_sample_index(doc_lengths, doc_idx, seq_length, num_samples)
-    shuffle_idx = rng.permutation(num_samples).astype(np.int64)
+    total = (num_epochs * tokens_per_epoch - 1) // seq_length  # every full window of these epochs
+    sample_idx = build_sample_index(doc_lengths, doc_idx, seq_length, total)
+    per_epoch = max(1, tokens_per_epoch // seq_length)
+    shuffle_rng = np.random.RandomState((seed + 1) % 2**32)
+    blocks = [start + shuffle_rng.permutation(min(per_epoch, total - start)) for start in range(0, total, per_epoch)]
+    shuffle_idx = np.concatenate(blocks).astype(np.int64)[:num_samples]
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 
 

@@ -50,6 +50,12 @@ class DynamicLossScaler:
             self.scale *= self.growth
             self.clean_steps = 0
 
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+
     def attach(self, modules: list[nn.Module]) -> list[RemovableHandle]:
         """Scale the backward of every 0-dim (loss) output of these chunks by the current scale."""
 

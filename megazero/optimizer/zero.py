@@ -138,6 +138,40 @@ class DistributedOptimizer:
             work.wait()
         self._gathers.clear()
 
+    # -- checkpoint interface ----------------------------------------------------------------
+    @property
+    def shards_state_over_dp(self) -> bool:
+        """ZeRO 1/2: each DP rank owns different state; ZeRO 0: every DP rank holds all of it."""
+        return self.zero >= 1
+
+    def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        """Per piece of a parameter this rank updates: (param, flat offset into the TP-local param,
+        views of its fp32 master weights and moments). Checkpoints save and load through these."""
+        for buf, state in zip(self.buffers, self.states):
+            for b, (master, exp_avg, exp_avg_sq) in zip(buf.buckets, state.views):
+                for seg in b.segments:
+                    piece = slice(seg.lo, seg.hi)
+                    yield seg.param, seg.param_lo, {"master": master[piece], "exp_avg": exp_avg[piece],
+                                                    "exp_avg_sq": exp_avg_sq[piece]}
+
+    def state_scalars(self) -> dict:
+        return {"step": self.step_count, "scaler": None if self.scaler is None else self.scaler.state_dict()}
+
+    def load_state_scalars(self, scalars: dict) -> None:
+        self.step_count = int(scalars.get("step", 0))
+        if self.scaler is not None and scalars.get("scaler"):
+            self.scaler.load_state_dict(scalars["scaler"])
+
+    @torch.no_grad()
+    def sync_params_from_master(self) -> None:
+        """After loading master shards: cast them into the parameters and gather the full buckets."""
+        for buf, state in zip(self.buffers, self.states):
+            if state.separate_master:
+                for b, (master, _, _) in zip(buf.buckets, state.views):
+                    buf.param_shard(b).copy_(master)
+        self._gather_params()
+        self.wait_param_gather()
+
     # -- gradient communication -------------------------------------------------------------
     def _grad_hook(self, buf: ParamGradBuffer, b: Bucket) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:

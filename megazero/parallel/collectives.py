@@ -13,11 +13,17 @@ keyed by (kind, axis), where the axis is the name ParallelState gave the
 group ("tp", "dp", "pp", "mp", "emb"). ZeRO's claim that stages 1 and 2 move
 as many bytes as DDP's all-reduce is checked against these numbers.
 
+With ``timing`` on (``--log-timers``) it also adds up, per axis, the seconds
+this rank spent blocked in collectives: the whole call for blocking ones,
+and the ``wait()`` for asynchronous ones (time a collective spends overlapped
+with compute is not blocked time, and is not counted).
+
 The ledger is process-wide measurement state, like torch's profiler: it
 records nothing unless enabled, and the trainer reads and resets it per step.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
@@ -27,6 +33,8 @@ import torch.distributed as dist
 class CommLedger:
     def __init__(self) -> None:
         self.enabled = False
+        self.timing = False
+        self.wait_s: dict[str, float] = defaultdict(float)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
         self.axis_names: dict[int, str] = {}
@@ -35,9 +43,12 @@ class CommLedger:
         if group is not None:
             self.axis_names[id(group)] = name
 
+    def axis(self, group) -> str:
+        return self.axis_names.get(id(group), "world" if group is None else "other")
+
     def add(self, kind: str, group, nbytes: float) -> None:
         if self.enabled:
-            key = (kind, self.axis_names.get(id(group), "world" if group is None else "other"))
+            key = (kind, self.axis(group))
             self.bytes[key] += int(round(nbytes))
             self.calls[key] += 1
 
@@ -48,8 +59,45 @@ class CommLedger:
         self.calls.clear()
         return out
 
+    def take_wait_seconds(self) -> dict[str, float]:
+        """Seconds blocked in collectives per axis since the last call; resets them."""
+        out = dict(sorted(self.wait_s.items()))
+        self.wait_s.clear()
+        return out
+
 
 LEDGER = CommLedger()
+
+
+class _TimedWork:
+    """An async collective's handle whose ``wait()`` adds the blocked time to the ledger."""
+
+    def __init__(self, work, axis: str) -> None:
+        self.work, self.axis = work, axis
+
+    def wait(self, *args):
+        start = time.perf_counter()
+        try:
+            return self.work.wait(*args)
+        finally:
+            LEDGER.wait_s[self.axis] += time.perf_counter() - start
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _timed(group, call, async_op: bool):
+    """Run a collective; with timing on, charge its blocked time to the group's axis."""
+    if not LEDGER.timing:
+        return call()
+    axis = LEDGER.axis(group)
+    if async_op:
+        return _TimedWork(call(), axis)
+    start = time.perf_counter()
+    try:
+        return call()
+    finally:
+        LEDGER.wait_s[axis] += time.perf_counter() - start
 
 
 # newer torch renamed the flat-tensor collectives (the old names warn); older torch has only the old ones
@@ -68,26 +116,26 @@ def _nbytes(t: torch.Tensor) -> int:
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
     n = _size(group)
     LEDGER.add("all_reduce", group, 2 * (n - 1) / n * _nbytes(t))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    return _timed(group, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
     n = _size(group)
     LEDGER.add("all_gather", group, (n - 1) / n * _nbytes(out))
-    return _ALL_GATHER(out, t, group=group, async_op=async_op)
+    return _timed(group, lambda: _ALL_GATHER(out, t, group=group, async_op=async_op), async_op)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, op=dist.ReduceOp.SUM,
                           async_op: bool = False):
     n = _size(group)
     LEDGER.add("reduce_scatter", group, (n - 1) / n * _nbytes(t))
-    return _REDUCE_SCATTER(out, t, op=op, group=group, async_op=async_op)
+    return _timed(group, lambda: _REDUCE_SCATTER(out, t, op=op, group=group, async_op=async_op), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group, async_op: bool = False):
     n = _size(group)
     LEDGER.add("broadcast", group, (n - 1) / n * _nbytes(t))
-    return dist.broadcast(t, src=src, group=group, async_op=async_op)
+    return _timed(group, lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp], group) -> list:
@@ -95,7 +143,10 @@ def batch_isend_irecv(ops: list[dist.P2POp], group) -> list:
     for op in ops:
         if op.op in (dist.isend, dist.send):
             LEDGER.add("send", group, _nbytes(op.tensor))
-    return dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops)
+    if not LEDGER.timing:
+        return works
+    return [_TimedWork(w, LEDGER.axis(group)) for w in works]
 
 
 def all_gather_object(obj, group=None) -> list:

@@ -55,6 +55,20 @@ def format_iteration(r: dict[str, Any]) -> str:
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     parts.append(f"skipped iterations {r.get('skipped_iterations', 0)}")
+    parts.append(f"nan iterations {r.get('nan_iterations', 0)}")
     parts.append(f"tokens/s {r['tokens_per_sec']:.0f}")
+    parts.append(f"TFLOP/s/device {r['tflops_per_device']:.3f}")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
     parts.append(f"peak mem {r['peak_memory_bytes'] / 2**20:.0f} MiB")
+    if "comm_wait_s" in r:  # --log-timers
+        waits = " ".join(f"{axis} {1000 * s:.1f}" for axis, s in r["comm_wait_s"].items() if axis != "world")
+        parts.append(f"comm wait ms {waits or '-'}")
+    if r.get("bubble_fraction") is not None:
+        parts.append(f"bubble {r['bubble_fraction']:.2f}")
     return " | ".join(parts)
+
+
+def format_eval(r: dict[str, Any]) -> str:
+    return (f"validation loss at iteration {r['iteration']} | lm loss value: {r['val_loss']:.6E} | "
+            f"lm loss PPL: {r['val_ppl']:.6E}")

@@ -1,27 +1,34 @@
 """Build a run from a Config: groups, data, model chunks, optimizer, schedule, trainer.
 
-Validation that needs no communication (flags, world size, batch arithmetic)
-happens in ``validate`` before any process group exists, so bad input fails
-the same way on every rank and nothing can hang.
+Validation that needs no communication (flags, world size, batch arithmetic,
+a --load folder's metadata) happens before any process group exists, so bad
+input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint import load as ckpt_load
+from ..checkpoint import storage
+from ..checkpoint.save import save_checkpoint
 from ..config import Config
-from ..data import build_data
-from ..model.gpt import GPTModel, count_parameters
-from ..model.transformer import TPContext
+from ..data import DataBundle, MicroBatchIterator, build_data
+from ..memory.params import num_parameters
+from ..model.recompute import apply_recompute
 from ..optimizer.accounting import memory_records
 from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from ..parallel.layout import Layout
 from ..parallel.state import ParallelState, default_device, init_distributed, world_size_from_env
+from ..pipeline.p2p import stage_shape, verify_stage_shapes
+from ..pipeline.partition import build_chunks
 from ..pipeline.schedules import build_schedule
-from ..tensor_parallel.layers import initialize_parameters
-from ..tensor_parallel.random import TensorParallelRNG, seed_everything
+from ..tensor_parallel.random import seed_everything
 from .logging import MetricsLog
 from .trainer import Trainer
+from .wandb_log import WandbLogger
 
 
 def validate(cfg: Config, world_size: int) -> Layout:
@@ -33,19 +40,22 @@ def validate(cfg: Config, world_size: int) -> Layout:
     return layout
 
 
+def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
+    """The --load folder and its metadata, read (and checked) by every rank before any collective."""
+    if not cfg.checkpoint.load:
+        return None
+    folder = storage.resolve(cfg.checkpoint.load)
+    return folder, storage.read_metadata(folder)
+
+
 def build_model_chunks(cfg: Config, pstate: ParallelState) -> list[nn.Module]:
     """This rank's model chunk(s), initialised as slices of the seeded full model.
 
     Also checks, with one all-gather over the pipeline group, that every stage expects
     the same activation shape (a mismatch raises on every rank before any send).
     """
-    from ..pipeline.p2p import stage_shape, verify_stage_shapes
-    from ..pipeline.partition import build_chunks
-
     chunks = build_chunks(cfg, pstate, cfg.check_pipeline(pstate.dp_size))
     verify_stage_shapes(pstate, stage_shape(cfg), next(chunks[0].parameters()).dtype)
-    from ..model.recompute import apply_recompute
-
     for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
         apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
     return chunks
@@ -56,15 +66,7 @@ def build_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState)
     return build_distributed_optimizer(cfg, chunks, pstate)
 
 
-def run(cfg: Config, log_fn=print) -> list[dict]:
-    """Train with the world torchrun described; returns the logged records (the main entry point)."""
-    layout = validate(cfg, world_size_from_env())
-    device = default_device(cfg.training.device)
-    init_distributed(device)
-    rank = dist.get_rank()
-    say = log_fn if rank == 0 else (lambda *_: None)
-    say(f"megazero: building process groups for {layout} on {device}")
-    pstate = ParallelState.build(layout, device)
+def _data(cfg: Config, rank: int, say: Callable) -> DataBundle:
     t = cfg.training
     data = build_data(data_path=cfg.data.data_path, tokenizer_model=cfg.data.tokenizer_model, split=cfg.data.split,
                       seq_length=cfg.model.seq_length, train_samples=t.train_iters * t.global_batch_size,
@@ -72,20 +74,82 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
                       is_builder=rank == 0, barrier=dist.barrier, log=say)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.tokenizer.vocab_size
-    seed_everything(t.seed, pstate.pp_rank)
-    chunks = build_model_chunks(cfg, pstate)
-    say(f"megazero: {cfg.model.arch} model with {count_parameters(chunks[0], pstate.tp_size) / 1e6:.2f}M "
-        f"parameters, {layout}, {cfg.check_batch(layout.dp)} micro-batches per step")
-    from ..data import MicroBatchIterator
+    elif cfg.model.vocab_size < data.tokenizer.vocab_size:
+        raise ValueError(f"--vocab-size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
+                         f"({data.tokenizer.vocab_size}); raise it or leave it unset.")
+    return data
 
-    batches = MicroBatchIterator(data.train, t.global_batch_size, t.micro_batch_size,
-                                 pstate.dp_rank, pstate.dp_size)
-    log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
+
+def _resume(found, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any) -> tuple[int, int]:
+    """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
+    folder, meta = found
+    ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+    if ckpt_load.same_layout(meta, cfg, pstate):  # exact resume: this rank's generators too
+        ckpt_load.load_rng(folder, pstate, chunks[0].ctx.rng)
+    return int(meta["iteration"]), int(meta["consumed_samples"])
+
+
+def _saver(cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any, batches: Any):
+    if not cfg.checkpoint.save:
+        return None
+
+    def save(iteration: int) -> None:
+        optimizer.wait_param_gather()
+        save_checkpoint(cfg.checkpoint.save, iteration=iteration, consumed_samples=batches.consumed_samples,
+                        cfg=cfg, pstate=pstate, chunks=chunks, optimizer=optimizer, tp_rng=chunks[0].ctx.rng,
+                        keep_last=cfg.checkpoint.keep_last)
+
+    return save
+
+
+def _wandb(cfg: Config, pstate: ParallelState) -> WandbLogger | None:
+    lg = cfg.logging
+    if not lg.wandb_project:
+        return None
+    layout = {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "zero": cfg.parallel.zero}
+    return WandbLogger(enabled=pstate.is_logging_rank, project=lg.wandb_project, name=lg.wandb_name,
+                       mode=lg.wandb_mode, config={**cfg.to_flat(), "layout": layout}, directory=lg.wandb_dir)
+
+
+def run(cfg: Config, log_fn=print) -> list[dict]:
+    """Train with the world torchrun described; returns the logged records (the main entry point)."""
+    layout = validate(cfg, world_size_from_env())
+    found = find_checkpoint(cfg)
+    device = default_device(cfg.training.device)
+    init_distributed(device)
+    rank = dist.get_rank()
+    say = log_fn if rank == 0 else (lambda *_: None)
+    say(f"megazero: building process groups for {layout} on {device}")
+    pstate = ParallelState.build(layout, device)
+    t = cfg.training
+    data = _data(cfg, rank, say)
+    if found:
+        ckpt_load.check_compatible(found[1], cfg)
+    seed_everything(t.seed, pstate.pp_rank)
+    say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, layout.tp) / 1e6:.2f}M "
+        f"parameters), {layout}, zero {cfg.parallel.zero}, {cfg.check_batch(layout.dp)} micro-batches per step")
+    chunks = build_model_chunks(cfg, pstate)
+    if found:
+        say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
+        ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
     optimizer = build_optimizer(cfg, chunks, pstate)
+    start, consumed = _resume(found, cfg, pstate, chunks, optimizer) if found else (0, 0)
+    batches = MicroBatchIterator(data.train, t.global_batch_size, t.micro_batch_size, pstate.dp_rank,
+                                 pstate.dp_size, consumed_samples=consumed)
+    eval_batches = None
+    if data.valid is not None and t.eval_interval:
+        eval_batches = lambda: MicroBatchIterator(data.valid, t.global_batch_size, t.micro_batch_size,  # noqa: E731
+                                                  pstate.dp_rank, pstate.dp_size)
+    log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate), batches, log)
+    wandb = _wandb(cfg, pstate)
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate), batches, log,
+                      start_iteration=start, eval_batches=eval_batches,
+                      save=_saver(cfg, pstate, chunks, optimizer, batches), wandb=wandb)
     try:
         return trainer.train()
     finally:
         log.close()
+        if wandb is not None:
+            wandb.finish()

@@ -41,7 +41,8 @@ def test_samples_are_stream_windows(tmp_path) -> None:
         assert item.tolist() == stream[j * L:j * L + L + 1].tolist()
         crossing += len(set((item // 100).tolist())) > 1
     assert crossing > 50  # windows do span document boundaries
-    assert sorted(ds.shuffle_idx.tolist()) == list(range(200))
+    order = ds.shuffle_idx.tolist()
+    assert len(set(order)) == 200 and max(order) < len(ds.sample_idx) - 1  # distinct windows of the epochs
 
 
 def test_epochs_cover_each_document_once(tmp_path) -> None:
@@ -101,3 +102,13 @@ def test_bad_arguments(tmp_path) -> None:
         GPTDataset(indexed, 0, 10, 0)
     with pytest.raises(ValueError, match="fewer than 2 tokens"):
         GPTDataset(indexed, 4, 10, 0, doc_indices=np.array([5]))  # doc 5 is empty
+
+
+def test_shorter_run_reads_a_prefix_of_a_longer_one(tmp_path) -> None:
+    """The order depends on the epoch count only: resuming with another --train-iters continues it."""
+    indexed = make_indexed(str(tmp_path))
+    short = GPTDataset(indexed, seq_length=8, num_samples=20, seed=5)
+    longer = GPTDataset(indexed, seq_length=8, num_samples=60, seed=5)  # same single epoch
+    assert len(short) == 20 and len(longer) == 60
+    for i in range(20):
+        assert torch.equal(short[i], longer[i]), i

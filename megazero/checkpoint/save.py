@@ -1,0 +1,126 @@
+"""Sharded checkpoint save: every rank writes only what it owns, in parallel, as safetensors.
+
+- model weights: one file per (tp, pp) rank, written by DP rank 0, under the
+  canonical (TP- and PP-independent) parameter names;
+- optimizer state: one file per (tp, pp, dp) shard with, for each parameter
+  piece this rank updates, its fp32 master weights and Adam moments; the
+  piece is a flat range of the TP-local parameter (ZeRO 0 keeps full state on
+  every DP rank, so only DP rank 0 writes it);
+- RNG states: one small file per rank (exact resume in the same layout);
+- metadata.json (rank 0, last): config, layout, iteration, consumed samples,
+  optimizer scalars, and an index of each tensor's full shape and the region
+  or flat range each file holds - what resharding on load needs.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+
+from ..config import Config
+from ..parallel.state import ParallelState
+from ..tensor_parallel.layers import full_shape, spec_of
+from . import storage
+from .slices import tp_region
+
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def named_parameters(chunks: list[nn.Module]) -> dict[str, nn.Parameter]:
+    """Canonical name -> parameter over all of this rank's chunks (names are unique per rank)."""
+    named: dict[str, nn.Parameter] = {}
+    for chunk in chunks:
+        for name, p in chunk.named_parameters():
+            assert name not in named, f"parameter {name} appears in two chunks of one rank"
+            named[name] = p
+    return named
+
+
+def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if pstate.device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(pstate.device)
+    if tp_rng is not None:
+        state["tp"] = tp_rng.get_state()
+    return state
+
+
+def _model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[str, Any]:
+    index = {}
+    for name, p in named.items():
+        shape = list(full_shape(p, pstate.tp_size))
+        region = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp_size)
+        index[name] = {"shape": shape, "split_dim": spec_of(p).split_dim, "dtype": str(p.dtype).replace("torch.", ""),
+                       "padded_rows": spec_of(p).valid_rows is not None,
+                       "file": storage.model_file(pstate.tp_rank, pstate.pp_rank), "region": region}
+    return index
+
+
+def _write_optimizer(optimizer: Any, named: dict[str, nn.Parameter], staging: str,
+                     pstate: ParallelState) -> dict[str, Any]:
+    names = {id(p): n for n, p in named.items()}
+    tensors, ranges = {}, {}
+    for param, param_lo, views in optimizer.state_segments():
+        name = names[id(param)]
+        n = views["exp_avg"].numel()
+        ranges[name] = [param_lo, param_lo + n]
+        for kind in KINDS:
+            tensors[f"{name}/{kind}"] = views[kind].detach().float().contiguous().cpu()
+    fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
+    save_file(tensors, os.path.join(staging, fname))
+    return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
+
+
+def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, pstate: ParallelState,
+                    chunks: list[nn.Module], optimizer: Any, tp_rng: Any = None,
+                    keep_last: int | None = None) -> str:
+    """Write this rank's shards; rank 0 publishes the checkpoint once all ranks are done."""
+    stamp = [f"{int(time.time() * 1000)}"] if pstate.rank == 0 else [None]
+    if dist.is_initialized():
+        dist.broadcast_object_list(stamp, src=0)
+    staging = storage.staging_dir(root, iteration, stamp[0])
+    os.makedirs(staging, exist_ok=True)
+    named = named_parameters(chunks)
+    if pstate.dp_rank == 0:
+        save_file({n: p.detach().contiguous().cpu() for n, p in named.items()},
+                  os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
+    optim_info = None
+    if pstate.dp_rank == 0 or optimizer.shards_state_over_dp:
+        optim_info = _write_optimizer(optimizer, named, staging, pstate)
+    save_file(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
+    pieces = [None] * pstate.layout.world_size
+    mine = {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info}
+    if dist.is_initialized():
+        dist.all_gather_object(pieces, mine)  # also the barrier: every rank's files are written
+    else:
+        pieces = [mine]
+    final = os.path.join(root, storage.iteration_dir(iteration))
+    if pstate.rank == 0:
+        meta = _metadata(cfg, pstate, iteration, consumed_samples, optimizer, pieces)
+        storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
+        final = storage.publish(root, staging, iteration, keep_last)
+    if dist.is_initialized():
+        dist.barrier()  # nobody moves on (or exits) before the checkpoint is published
+    return final
+
+
+def _metadata(cfg: Config, pstate: ParallelState, iteration: int, consumed_samples: int, optimizer: Any,
+              pieces: list[dict]) -> dict[str, Any]:
+    model: dict[str, Any] = {}
+    for piece in pieces:
+        for name, entry in piece["model"].items():
+            slot = model.setdefault(name, {k: entry[k] for k in ("shape", "split_dim", "dtype", "padded_rows")})
+            slot.setdefault("files", {})[entry["file"]] = entry["region"]
+    optim_files = {p["optim"]["file"]: {"tp_rank": p["optim"]["tp_rank"], "ranges": p["optim"]["ranges"]}
+                   for p in pieces if p["optim"] is not None}
+    layout = pstate.layout
+    return storage.metadata_dict(
+        config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
+        layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": cfg.parallel.zero,
+                "virtual_stages": cfg.parallel.virtual_size(cfg.model.num_layers)},
+        optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files)

@@ -1,0 +1,71 @@
+"""Validation loss: forward-only passes over held-out batches, through any pipeline layout.
+
+The forward-only pass walks the virtual stages in order (stage k = chunk
+k // pp of pipeline rank k % pp); the rank that owns a stage receives its
+input from the previous one, runs it and sends the output on. No backward,
+so there is nothing to overlap and no schedule is needed. The mean loss is
+averaged over DP and broadcast from the last stage, like the training loss.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from ..pipeline.p2p import StageLink
+
+
+def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
+    """Mean of the last stage's micro-batch losses, averaged over DP and known on every rank."""
+    loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=pstate.device)
+    if losses and pstate.dp_group is not None:
+        C.all_reduce(loss, pstate.dp_group)
+        loss /= pstate.dp_size
+    if pstate.pp_group is not None:  # only the last stage computed it
+        C.broadcast(loss, pstate.stage_rank(pstate.pp_size - 1), pstate.pp_group)
+    return float(loss)
+
+
+@torch.no_grad()
+def forward_only(chunks: list[nn.Module], tokens: torch.Tensor, pstate: ParallelState) -> torch.Tensor | None:
+    """The loss of one micro-batch [b, s+1] on the last stage (None elsewhere)."""
+    pp, vp = pstate.pp_size, len(chunks)
+    if pp == 1 and vp == 1:
+        return chunks[0](tokens[:, :-1], tokens[:, 1:])
+    model = chunks[0]
+    seq = model.cfg.seq_length // (model.ctx.size if model.ctx.sequence_parallel else 1)
+    link = StageLink(pstate, (seq, tokens.shape[0], model.cfg.hidden_size), next(model.parameters()).dtype)
+    loss, x = None, None
+    for k in range(pp * vp):
+        if k % pp != pstate.pp_rank:
+            continue
+        chunk = chunks[k // pp]
+        if k > 0:
+            x = link.exchange(recv_prev=True)[0].detach()
+        out = chunk(tokens[:, :-1] if chunk.pre_process else x, tokens[:, 1:] if chunk.post_process else None)
+        if chunk.post_process:
+            loss = out
+        else:
+            link.exchange(send_next=out)
+    return loss
+
+
+def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: ParallelState) -> dict[str, float]:
+    """Mean validation loss and perplexity over ``eval_iters`` global batches."""
+    for chunk in chunks:
+        chunk.eval()
+    losses = []
+    try:
+        for _ in range(eval_iters):
+            for tokens in batches.next_step():
+                loss = forward_only(chunks, tokens.to(pstate.device), pstate)
+                if loss is not None:
+                    losses.append(loss.float())
+    finally:
+        for chunk in chunks:
+            chunk.train()
+    value = reduce_loss(losses, pstate)
+    return {"val_loss": value, "val_ppl": math.exp(min(value, 50.0))}

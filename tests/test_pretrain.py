@@ -51,6 +51,8 @@ BAD_INPUT = [
     (2, ["--arch", "gpt3"], ["--arch", "gpt2"]),
     (2, ["--config", "no/such/preset.yaml"], ["--config", "no/such/preset.yaml"]),
     (2, ["--global-batch-size", "6"], ["--global-batch-size", "--micro-batch-size"]),
+    (2, ["--load", "no/such/checkpoint"], ["--load", "no/such/checkpoint"]),
+    (2, ["--pp", "2", "--num-layers", "3"], ["--num-layers", "--pp"]),
 ]
 
 

@@ -1,0 +1,68 @@
+"""The benchmark's own machinery: byte counting agrees with megazero's ledger; the report logic."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from bench.comm_count import install
+from bench.run import compare, grad_param_bytes, table
+from megazero.parallel import collectives as C
+from tests.helpers.dist import spawn
+
+
+def _count_both(pstate) -> dict:
+    """Issue each collective once through megazero's wrappers; both counters see the same calls."""
+    counter = install()
+    g = pstate.dp_group
+    x = torch.ones(1000)
+    out = torch.empty(500)
+    checks = {}
+    for kind, call in (("all_reduce", lambda: C.all_reduce(x, g)),
+                       ("reduce_scatter", lambda: C.reduce_scatter_tensor(out, x, g)),
+                       ("all_gather", lambda: C.all_gather_into_tensor(x, out, g)),
+                       ("broadcast", lambda: C.broadcast(x, 0, g))):
+        C.LEDGER.enabled = counter.enabled = True
+        call()
+        C.LEDGER.enabled = counter.enabled = False
+        checks[kind] = (counter.take().get(kind), C.LEDGER.take().get(f"{kind}/dp"))
+    peer = 1 - pstate.rank
+    ops = [torch.distributed.P2POp(torch.distributed.isend, x, peer),
+           torch.distributed.P2POp(torch.distributed.irecv, torch.empty(1000), peer)]
+    counter.enabled = True
+    for work in torch.distributed.batch_isend_irecv(ops):
+        work.wait()
+    counter.enabled = False
+    checks["send"] = (counter.take().get("send"), 4000)
+    return checks
+
+
+def test_comm_count_matches_megazero_ledger():
+    for rank, checks in enumerate(spawn(_count_both, 2)):
+        for kind, (counted, ledger) in checks.items():
+            assert counted is not None and math.isclose(counted, ledger), (rank, kind, counted, ledger)
+        assert checks["all_reduce"][0] == 4000 and checks["reduce_scatter"][0] == 2000, checks
+
+
+def _fake(megazero: bool, tps: float, state: int, comm: float, peers=(), kinds=None, losses=(1.0, 0.9)) -> dict:
+    return {"status": "ok", "megazero": megazero, "ranks": 2, "peer_of": list(peers), "tokens_per_s": tps,
+            "peak_rss_bytes": 2 ** 20, "model_state_bytes": state, "comm_bytes_per_step": comm,
+            "comm_kinds_rank0": kinds or {"all_reduce": comm}, "losses": list(losses)}
+
+
+def test_compare_and_table():
+    results = {
+        "megazero zero 1": _fake(True, 110.0, 50, 104.0, ["torch DDP", "DeepSpeed ZeRO-1"],
+                                 {"reduce_scatter": 50.0, "all_gather": 50.0, "all_reduce": 4.0}),
+        "torch DDP": _fake(False, 100.0, 70, 100.0),
+        "DeepSpeed ZeRO-1": _fake(False, 120.0, 40, 150.0, losses=(1.0, 0.95)),
+        "megatron-core TP": {"status": "not installed (megatron.core)"},
+    }
+    checks = {(c["megazero"], c["peer"]): c for c in compare(results, [1.0, 0.9])}
+    ddp, ds = checks[("megazero zero 1", "torch DDP")], checks[("megazero zero 1", "DeepSpeed ZeRO-1")]
+    assert math.isclose(ddp["ratio"], 1.1) and ddp["bytes_ok"] is False and ddp["grad_param_bytes_ok"], ddp
+    assert "state_ok" not in ddp and ds["state_ok"] is False and math.isclose(ds["ratio"], 110 / 120), ds
+    assert grad_param_bytes(results["megazero zero 1"]) == 100.0
+    assert results["DeepSpeed ZeRO-1"]["loss_rel_err"] > 0.05 and results["torch DDP"]["loss_rel_err"] == 0
+    text = table(results, list(checks.values()))
+    assert "1.10 vs torch DDP" in text and "not installed (megatron.core)" in text, text

@@ -1,0 +1,59 @@
+"""A serial model + ZeRO-0 optimizer that can save a checkpoint without torch.distributed.
+
+Used in-process by the error tests and as a subprocess by the crash test:
+`python -m tests.checkpoint.serial_ckpt ROOT ITERATION [--hang-mid-write]`.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from megazero.checkpoint.save import save_checkpoint
+from megazero.config import Config
+from megazero.model.gpt import GPTModel
+from megazero.model.transformer import TPContext
+from megazero.optimizer.zero import DistributedOptimizer
+from megazero.parallel.state import ParallelState
+from megazero.tensor_parallel.layers import initialize_parameters
+
+
+def build(arch: str = "gpt2", hidden: int = 32):
+    cfg = Config.from_flat({"arch": arch, "num_layers": 2, "hidden_size": hidden, "num_attention_heads": 4,
+                            "seq_length": 8, "vocab_size": 200})
+    pstate = ParallelState.serial()
+    model = GPTModel(cfg.model, TPContext())
+    initialize_parameters(model, 1, None)
+    return cfg, pstate, [model], DistributedOptimizer([model], cfg.optimizer, pstate)
+
+
+def save(root: str, iteration: int) -> str:
+    cfg, pstate, chunks, optimizer = build()
+    return save_checkpoint(root, iteration=iteration, consumed_samples=8 * iteration, cfg=cfg, pstate=pstate,
+                           chunks=chunks, optimizer=optimizer)
+
+
+def _hang_mid_write() -> None:
+    """Make the optimizer shard's write stop half way, forever (the test then SIGKILLs us)."""
+    import time
+
+    import megazero.checkpoint.save as save_module
+
+    real = save_module.save_file
+
+    def half_then_hang(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)
+        if "optim" in path:
+            with open(path, "r+b") as fh:
+                fh.truncate(fh.seek(0, 2) // 2)
+            print("HALF-WRITTEN", flush=True)
+            time.sleep(600)
+
+    save_module.save_file = half_then_hang
+
+
+if __name__ == "__main__":
+    if "--hang-mid-write" in sys.argv:
+        _hang_mid_write()
+    torch.set_num_threads(1)
+    print(save(sys.argv[1], int(sys.argv[2])), flush=True)

@@ -46,6 +46,7 @@ def test_comm_count_matches_megazero_ledger():
 
 def _fake(megazero: bool, tps: float, state: int, comm: float, peers=(), kinds=None, losses=(1.0, 0.9)) -> dict:
     return {"status": "ok", "megazero": megazero, "ranks": 2, "peer_of": list(peers), "tokens_per_s": tps,
+            "tokens_per_cpu_s": tps,
             "peak_rss_bytes": 2 ** 20, "model_state_bytes": state, "comm_bytes_per_step": comm,
             "comm_kinds_rank0": kinds or {"all_reduce": comm}, "losses": list(losses)}
 
@@ -65,4 +66,4 @@ def test_compare_and_table():
     assert grad_param_bytes(results["megazero zero 1"]) == 100.0
     assert results["DeepSpeed ZeRO-1"]["loss_rel_err"] > 0.05 and results["torch DDP"]["loss_rel_err"] == 0
     text = table(results, list(checks.values()))
-    assert "1.10 vs torch DDP" in text and "not installed (megatron.core)" in text, text
+    assert "1.10 (1.10) vs torch DDP" in text and "not installed (megatron.core)" in text, text

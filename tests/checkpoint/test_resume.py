@@ -36,12 +36,22 @@ def train(tmp, name: str, nproc: int, flags: list[str]) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("resume"))
-    straight = train(tmp, "straight", 8, [*REFERENCE, "--train-iters", "10"])
+    straight = train(tmp, "straight", 8, [*REFERENCE, "--train-iters", "10", "--log-timers"])
     first = train(tmp, "first", 8, [*REFERENCE, "--train-iters", "5", "--save", os.path.join(tmp, "ckpt")])
     return tmp, straight, first
 
 
+def test_log_timers_fields(reference):
+    """--log-timers: blocked seconds per axis and the bubble fraction, in every iteration record."""
+    _, straight, _ = reference
+    for r in straight:
+        assert {"tp", "pp", "dp"} <= r["comm_wait_s"].keys() and all(v >= 0 for v in r["comm_wait_s"].values())
+        assert 0.0 <= r["bubble_fraction"] < 1.0
+        assert r["tflops_per_device"] > 0 and r["comm_bytes"]["reduce_scatter/dp"] > 0
+
+
 def test_exact_resume_is_bitwise(reference):
+    """Also determinism: the 5-iteration run repeats the first 5 losses of the 10-iteration run exactly."""
     tmp, straight, first = reference
     assert [r["loss"] for r in first] == [r["loss"] for r in straight[:5]]
     resumed = train(tmp, "resumed", 8, [*REFERENCE, "--train-iters", "10", "--load", os.path.join(tmp, "ckpt")])

@@ -34,8 +34,7 @@ Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
 and its output. Full recompute keeps only ``s b h e / r`` per block.
 
 Per stage: the first adds token ids (s b 8, + s b for the TP>1 mask) and an
-embedding-dropout mask (without dropout and with SP, the scattered embedding
-is a view that keeps all s b h e of it alive); the last adds the final norm, the head's input
+embedding-dropout mask; the last adds the final norm, the head's input
 ``s b h e`` and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus
 targets (s b 9).
 """
@@ -117,8 +116,6 @@ def first_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     terms = {"token_ids": sb * 8 + (sb if a.tp > 1 else 0)}
     if a.training and cfg.hidden_dropout > 0:
         terms["embedding_dropout"] = sb * cfg.hidden_size * a.mask_bytes() // a.shard
-    elif a.shard > 1:  # the sequence scatter returns a view: the first norm keeps the whole embedding alive
-        terms["embedding_view"] = sb * cfg.hidden_size * a.dtype_bytes * (a.shard - 1) // a.shard
     return terms
 
 

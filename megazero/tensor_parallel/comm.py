@@ -30,7 +30,8 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if size == 1:
         return x
     assert x.shape[dim] % size == 0, f"dim {dim} of {tuple(x.shape)} does not split over {size} ranks"
-    return x.chunk(size, dim=dim)[group_rank(group)].contiguous()
+    # a copy, not a view: a view would keep the whole unsplit tensor alive as long as the slice
+    return x.chunk(size, dim=dim)[group_rank(group)].clone(memory_format=torch.contiguous_format)
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -20,6 +20,7 @@ from megazero.pipeline.schedules import build_schedule
 from megazero.training.logging import MetricsLog
 from megazero.training.setup import build_model_chunks
 from megazero.training.trainer import Trainer
+from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_params, rel_err
 
 VOCAB, ITERS = 1000, 5
@@ -43,23 +44,6 @@ def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule:
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS, seed=7,
                                 device="cpu"),
         logging=LoggingConfig(log_interval=1, timeline=timeline))
-
-
-class SyntheticBatches:
-    """Seeded random token batches; each DP rank takes a contiguous slice of the global batch."""
-
-    def __init__(self, cfg: Config, dp_rank: int, dp_size: int) -> None:
-        self.cfg, self.dp_rank, self.dp_size = cfg, dp_rank, dp_size
-        self.step, self.consumed_samples = 0, 0
-
-    def next_step(self) -> list[torch.Tensor]:
-        t, seq = self.cfg.training, self.cfg.model.seq_length
-        gen = torch.Generator().manual_seed(1000 + self.step)
-        tokens = torch.randint(0, VOCAB, (t.global_batch_size, seq + 1), generator=gen)
-        self.step += 1
-        self.consumed_samples += t.global_batch_size
-        mine = tokens.view(self.dp_size, -1, seq + 1)[self.dp_rank]
-        return list(mine.split(t.micro_batch_size))
 
 
 def train(cfg: Config, pstate: ParallelState) -> dict:

@@ -6,7 +6,7 @@ import math
 import torch
 
 from bench.comm_count import install
-from bench.run import compare, grad_param_bytes, table
+from bench.run import compare, grad_param_bytes, table, verdict
 from megazero.parallel import collectives as C
 from tests.helpers.dist import spawn
 
@@ -67,3 +67,6 @@ def test_compare_and_table():
     assert results["DeepSpeed ZeRO-1"]["loss_rel_err"] > 0.05 and results["torch DDP"]["loss_rel_err"] == 0
     text = table(results, list(checks.values()))
     assert "1.10 (1.10) vs torch DDP" in text and "not installed (megatron.core)" in text, text
+    lines = verdict(list(checks.values())).splitlines()
+    assert "- megazero zero 1 vs torch DDP: more bytes (total)" in lines, lines
+    assert "- megazero zero 1 vs DeepSpeed ZeRO-1: slower, more model state" in lines, lines

@@ -23,8 +23,16 @@ train: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests -q
 
-bench: $(STAMP)
-	$(PY) bench/run.py
+BENCH_STAMP := $(VENV)/.megazero-bench-installed
+
+# Peers install with --no-deps: their own requirements would replace torch==2.13.0 with a CUDA build.
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q hjson msgpack ninja psutil py-cpuinfo pydantic tqdm
+	$(PY) -m pip install -q --no-deps deepspeed==0.19.8 megatron-core==0.16.1
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	OMP_NUM_THREADS=1 $(PY) bench/run.py
 
 clean:
 	rm -rf $(VENV) runs

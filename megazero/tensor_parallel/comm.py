@@ -70,11 +70,19 @@ class _CopyToRegion(torch.autograd.Function):
 
 
 class _ReduceFromRegion(torch.autograd.Function):
-    """g: forward all-reduce / backward identity (after a row-parallel layer)."""
+    """g: forward all-reduce / backward identity (after a row-parallel layer).
+
+    In place: its input is a fresh GEMM (or embedding lookup) output that nothing else holds,
+    so the copy ``_all_reduce`` makes would only cost memory traffic.
+    """
 
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x, group)
+        if not x.is_contiguous():
+            return _all_reduce(x, group)
+        ctx.mark_dirty(x)
+        C.all_reduce(x, group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -155,6 +163,7 @@ def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``x`` over TP ranks, in place: pass a fresh partial result that nothing else uses."""
     return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 

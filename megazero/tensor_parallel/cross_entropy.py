@@ -24,33 +24,37 @@ from ..parallel.state import group_rank, group_size
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
-        logits = logits.float()
         rows = logits.shape[-1]
         start = group_rank(group) * rows
-        if vocab_size is not None and start + rows > vocab_size:
-            column = torch.arange(start, start + rows, device=logits.device)
-            logits = logits.masked_fill(column >= vocab_size, float("-inf"))
         distributed = group_size(group) > 1
-
-        logits_max = logits.max(dim=-1).values
+        # One vocabulary-sized allocation: it holds logits - max, then exp, then the softmax
+        # saved for backward (fresh large buffers page-fault on every call on CPU).
+        padding = 0 if vocab_size is None else min(rows, max(0, start + rows - vocab_size))
+        if padding < rows:  # padded columns are the last ones (of the last ranks): never the max
+            logits_max = logits[..., : rows - padding].max(dim=-1).values.float()
+        else:
+            logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if distributed:
             C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        shifted = logits - logits_max.unsqueeze(-1)
+        softmax = torch.sub(logits, logits_max.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32,
+                                                                               device=logits.device))
 
         local_target = target - start
         outside = (local_target < 0) | (local_target >= rows)
         local_target = local_target.masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = softmax.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
 
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        softmax.exp_()
+        if padding:
+            softmax[..., rows - padding:] = 0.0  # exp(-inf): padding never enters the sum
+        sum_exp = softmax.sum(dim=-1)
         if distributed:
             both = torch.stack([target_logit, sum_exp])
             C.all_reduce(both, group)
             target_logit, sum_exp = both[0], both[1]
 
         loss = sum_exp.log() - target_logit
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        softmax.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside)
         return loss
 

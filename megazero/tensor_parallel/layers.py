@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
-from .comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                   gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+from .comm import (gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                    reduce_scatter_to_sequence_parallel_region)
 
 
@@ -83,6 +83,53 @@ def _parameter(shape: tuple[int, ...], device, dtype, **spec) -> nn.Parameter:
     return set_spec(nn.Parameter(torch.empty(shape, device=device, dtype=dtype)), **spec)
 
 
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """Y = f(X) A^T + b, with f = identity (or the sequence all-gather under sequence parallelism).
+
+    Forward: as F.linear on the (gathered) input.
+    Backward: dX = dY A is computed first and its all-reduce over TP (reduce-scatter under
+    sequence parallelism) is launched asynchronously; dA = dY^T X runs while it is in flight.
+    This is the conjugate f of Megatron's paper with the communication hidden behind the
+    weight-gradient GEMM. Under sequence parallelism only the local input shard is saved and
+    re-gathered in backward, also overlapped (with the dX GEMM).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel):
+        ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
+        total = _gather_sequence(x, group) if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sequence_parallel
+        gather = None
+        if sp:  # re-gather the input for dA while dX is computed
+            total = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+            gather = C.all_gather_into_tensor(total, x.contiguous(), group, async_op=True)
+        grad_input = grad_out.matmul(weight)
+        if sp:
+            gather.wait()
+            out = grad_input.new_empty((grad_input.shape[0] // group_size(group), *grad_input.shape[1:]))
+            reduce = C.reduce_scatter_tensor(out, grad_input.contiguous(), group, async_op=True)
+        else:
+            total, out = x, grad_input.contiguous()
+            reduce = C.all_reduce(out, group, async_op=True)
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        reduce.wait()
+        return out, grad_weight, grad_bias, None, None
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    C.all_gather_into_tensor(out, x.contiguous(), group)
+    return out
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A^T with A split along its output rows: each rank computes a slice of Y's features.
 
@@ -101,11 +148,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _parameter((out_features // tp,), device, dtype, split_dim=0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        if group_size(self.tp_group) == 1:
+            y = F.linear(x, self.weight, self.bias)
         else:
-            x = copy_to_tensor_parallel_region(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
 
 

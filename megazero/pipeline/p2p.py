@@ -24,6 +24,7 @@ from ..config import Config, ConfigError
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 
+MAX_PENDING_SENDS = 4
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
@@ -49,6 +50,10 @@ class StageLink:
         pp, r = self.pstate.pp_size, self.pstate.pp_rank
         self.next_rank = self.pstate.stage_rank((r + 1) % pp)
         self.prev_rank = self.pstate.stage_rank((r - 1) % pp)
+        # Sends in flight, with their tensors kept alive. Waiting for a send right away would
+        # stall this stage until the neighbour posts the matching receive (lockstep stages);
+        # instead they are reaped later, and at most MAX_PENDING_SENDS stay outstanding.
+        self.pending_sends: list[tuple[object, torch.Tensor]] = []
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.pstate.device, requires_grad=True)
@@ -81,11 +86,32 @@ class StageLink:
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next.data, self.next_rank, group))
         if ops:
-            for work in C.batch_isend_irecv(ops, group):
-                work.wait()
+            works = C.batch_isend_irecv(ops, group)
+            if len(works) != len(ops):  # one coalesced handle (NCCL): nothing to defer
+                for work in works:
+                    work.wait()
+            else:
+                for op, work in zip(ops, works):
+                    if op.op is dist.isend:
+                        self.pending_sends.append((work, op.tensor))
+                    else:
+                        work.wait()
+            self._reap_sends()
         if from_next is not None:
             from_next = from_next.detach()
         return from_prev, from_next
+
+
+    def _reap_sends(self) -> None:
+        self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
+        while len(self.pending_sends) > MAX_PENDING_SENDS:
+            self.pending_sends.pop(0)[0].wait()
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (end of a schedule call)."""
+        for work, _ in self.pending_sends:
+            work.wait()
+        self.pending_sends.clear()
 
 
 def verify_stage_shapes(pstate: ParallelState, shape: tuple[int, ...], dtype: torch.dtype) -> None:

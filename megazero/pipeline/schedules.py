@@ -196,6 +196,7 @@ class PipelineSchedule:
         if self.timeline is not None:
             self.timeline.begin_step()
         self.run(runner)
+        runner.link.flush()
         if self.timeline is not None:
             self.timeline.end_step()
         assert runner.stats.in_flight == 0 and runner.stats.forwards == runner.m * runner.vp, runner.stats

@@ -50,6 +50,7 @@ def forward_only(chunks: list[nn.Module], tokens: torch.Tensor, pstate: Parallel
             loss = out
         else:
             link.exchange(send_next=out)
+    link.flush()
     return loss
 
 

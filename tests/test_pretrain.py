@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -66,3 +67,32 @@ def test_bad_input_fails_fast_with_one_line(nproc, flags, words):
         assert len(lines) == 1, f"rank {rank}: expected one error line, got:\n{r.stderr}"
         for word in words:
             assert word in lines[0], f"{word!r} not in {lines[0]!r}"
+
+
+def test_trains_from_preprocessed_data_with_tp_pp_dp(tmp_path):
+    """The user's path: train a tokenizer and preprocess JSONL with the tools, then tp=2 x pp=2 x dp=2."""
+    import subprocess
+    import sys
+
+    from megazero.data.corpus import corpus_documents
+    from tests.helpers.launch import ROOT
+
+    docs = corpus_documents(max_bytes=300_000)
+    with open(tmp_path / "docs.jsonl", "w") as fh:
+        for doc in docs:
+            fh.write(json.dumps({"text": doc}) + "\n")
+    tools = [["tools/train_tokenizer.py", "--input", str(tmp_path / "docs.jsonl"), "--model-prefix",
+              str(tmp_path / "tok"), "--vocab-size", "1000"],
+             ["tools/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"), "--output-prefix",
+              str(tmp_path / "corpus"), "--tokenizer-model", str(tmp_path / "tok.model"), "--workers", "2"]]
+    for tool in tools:
+        out = subprocess.run([sys.executable, *tool], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-2000:]
+    flags = [*SMALL, "--num-layers", "4", "--tp", "2", "--pp", "2", "--data-path", str(tmp_path / "corpus"),
+             "--tokenizer-model", str(tmp_path / "tok.model"), "--train-iters", "6",
+             "--metrics-file", str(tmp_path / "m.jsonl")]
+    for rank, r in enumerate(launch("pretrain_gpt.py", flags, 8)):
+        assert r.returncode == 0, f"rank {rank}:\n{r.stderr[-2000:]}"
+    losses = [json.loads(line)["loss"] for line in open(tmp_path / "m.jsonl") if '"loss"' in line]
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    assert abs(losses[0] - math.log(1000)) < 1.0  # starts near uniform over the tokenizer's vocabulary

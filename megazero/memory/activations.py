@@ -15,9 +15,9 @@ log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
     norm inputs           2 x s b h e / r       (+ fp32 stats 2 x 2 s b 4 / r, LayerNorm)
     RMSNorm (llama)       2 x (s b h 4 + s b h e) / r + 2 x s b 4 / r
                           (input upcast to fp32, normalised pre-weight value, rstd)
-    linear inputs         2 x s b h e           (qkv, fc1: full even with SP - the
-                                                 gathered input is what F.linear keeps;
-                                                 3 for llama with SP: gate and up gather apart)
+    linear inputs         2 x s b h e / r       (qkv and MLP-in inputs, llama's gate and up
+                                                 sharing one; under SP the local shard, which
+                                                 the column-parallel layer re-gathers in backward)
     qkv output            s b (n + 2g) d e / t  (held by the q/k/v views SDPA saves)
     RoPE (llama)          s b (n + g) d e / t + 2 s d 4   (rotated q, k; cos/sin tables)
     SDPA log-sum-exp      b n s 4 / t
@@ -101,9 +101,9 @@ def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     s, b, h, f, t, e = (a.seq_length, a.micro_batch_size, cfg.hidden_size, cfg.ffn_size, a.tp, a.dtype_bytes)
     if a.recompute == "full":
         return {"block_input": s * b * h * e // a.shard}
-    # Under SP each column-parallel layer gathers its own copy: llama's gate and up make two.
-    gathers = 3 if (cfg.arch == "llama" and a.sequence_parallel and t > 1) else 2
-    terms = {"norms": 2 * _norm_bytes(cfg, a), "linear_inputs": gathers * s * b * h * e}
+    # The qkv and MLP-in layers keep their (normed) input; llama's gate and up share one. Under SP
+    # they keep only the local sequence shard and re-gather it in backward.
+    terms = {"norms": 2 * _norm_bytes(cfg, a), "linear_inputs": 2 * s * b * h * e // a.shard}
     terms.update(_attention_core_bytes(cfg, a))
     terms["mlp"] = (4 if cfg.arch == "llama" else 2) * s * b * f * e // t
     if a.training and cfg.hidden_dropout > 0:

@@ -79,7 +79,6 @@ class _Interleaved:
         for i in range(steady):
             fk = i + warmup
             y = self.forward(fk)
-            dx = self.backward(i)
             recv_prev, recv_next = i != steady - 1, True
             if run.first:  # the last stage's forward of p-1 steps ago feeds our next chunk
                 next_fwd = self.chunk_id(fk - (pp - 1), True)
@@ -93,7 +92,11 @@ class _Interleaved:
                 next_bwd -= 1
             else:
                 next_bwd = self.chunk_id(i + 1, False)
-            x, dy = link.exchange(send_next=y, recv_prev=recv_prev, send_prev=dx, recv_next=recv_next)
+            # the forward's transfers fly while this step's backward computes (Megatron's overlap_p2p_comm)
+            forward_transfer = link.post(send_next=y, recv_prev=recv_prev)
+            dx = self.backward(i)
+            dy = link.post(send_prev=dx, recv_next=recv_next).wait()[1]
+            x = forward_transfer.wait()[0]
             if recv_prev:
                 self.inputs[next_fwd].append(x)
             if recv_next:

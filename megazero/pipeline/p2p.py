@@ -39,6 +39,20 @@ def stage_shape(cfg: Config) -> tuple[int, int, int]:
 
 
 @dataclass
+class PendingExchange:
+    """Receives in flight; ``wait()`` returns (from_prev, from_next) once they have arrived."""
+
+    receives: list
+    from_prev: torch.Tensor | None
+    from_next: torch.Tensor | None
+
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        for work in self.receives:
+            work.wait()
+        return self.from_prev, None if self.from_next is None else self.from_next.detach()
+
+
+@dataclass
 class StageLink:
     """This rank's connection to its pipeline neighbours for tensors of one shape and dtype."""
 
@@ -73,6 +87,11 @@ class StageLink:
         previous stage; ``send_prev`` is an input gradient for the previous stage, ``recv_next``
         asks for an output gradient from the next stage.
         """
+        return self.post(send_next, recv_prev, send_prev, recv_next).wait()
+
+    def post(self, send_next: torch.Tensor | None = None, recv_prev: bool = False,
+             send_prev: torch.Tensor | None = None, recv_next: bool = False) -> "PendingExchange":
+        """``exchange`` without the wait: compute can run while the transfers are in flight."""
         group = self.pstate.pp_group
         from_prev = self._buffer() if recv_prev else None
         from_next = self._buffer() if recv_next else None
@@ -85,22 +104,19 @@ class StageLink:
             ops.append(dist.P2POp(dist.isend, self._check(send_prev, "a gradient"), self.prev_rank, group))
         if from_next is not None:
             ops.append(dist.P2POp(dist.irecv, from_next.data, self.next_rank, group))
+        receives = []
         if ops:
             works = C.batch_isend_irecv(ops, group)
             if len(works) != len(ops):  # one coalesced handle (NCCL): nothing to defer
-                for work in works:
-                    work.wait()
+                receives = list(works)
             else:
                 for op, work in zip(ops, works):
                     if op.op is dist.isend:
                         self.pending_sends.append((work, op.tensor))
                     else:
-                        work.wait()
+                        receives.append(work)
             self._reap_sends()
-        if from_next is not None:
-            from_next = from_next.detach()
-        return from_prev, from_next
-
+        return PendingExchange(receives, from_prev, from_next)
 
     def _reap_sends(self) -> None:
         self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]

@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig,  # noqa: E402
                              ParallelConfig, TrainingConfig)
-from megazero.optimizer.data_parallel import DataParallelAdamW  # noqa: E402
+from megazero.optimizer.zero import DistributedOptimizer  # noqa: E402
 from megazero.pipeline.schedules import build_schedule  # noqa: E402
 from megazero.pipeline.timeline import bubble_of_step  # noqa: E402
 from megazero.training.logging import MetricsLog  # noqa: E402
@@ -68,7 +68,7 @@ def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:
     """Train ``train_iters`` steps with the timeline on; this rank's compute spans per step."""
     chunks = build_model_chunks(cfg, pstate)
     schedule = build_schedule(cfg, pstate)
-    trainer = Trainer(cfg, pstate, chunks, DataParallelAdamW(chunks, cfg.optimizer, pstate), schedule,
+    trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
                       Tokens(cfg.training.global_batch_size, cfg.model.seq_length), MetricsLog(None, False))
     for _ in range(cfg.training.train_iters):
         trainer.train_step()

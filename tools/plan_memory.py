@@ -18,7 +18,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megazero.arguments import parse_config  # noqa: E402
-from megazero.memory import (GIB, Hardware, format_candidates, format_plan, plan_for_run,  # noqa: E402
+from megazero.memory import (Hardware, format_candidates, format_plan, plan_for_run,  # noqa: E402
                              search_layouts)
 
 EXTRA = [

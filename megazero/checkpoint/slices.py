@@ -32,10 +32,3 @@ def relative(inner: Region, outer: Region) -> tuple[slice, ...]:
     """``inner`` (inside ``outer``) as slices into a tensor holding ``outer``."""
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(inner, outer))
 
-
-def flat_to_region_rows(lo: int, hi: int, shape: list[int]) -> tuple[int, int]:
-    """Rows (dim 0) of a tensor of ``shape`` that the flat range [lo, hi) touches."""
-    row = 1
-    for n in shape[1:]:
-        row *= n
-    return lo // row, -(-hi // row)

@@ -13,7 +13,7 @@ import torch
 
 from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
-from megazero.optimizer.data_parallel import DataParallelAdamW
+from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
@@ -50,7 +50,7 @@ def train(cfg: Config, pstate: ParallelState) -> dict:
     """Five iterations through the real training pieces; returns losses, weights and schedule counts."""
     chunks = build_model_chunks(cfg, pstate)
     schedule = build_schedule(cfg, pstate)
-    trainer = Trainer(cfg, pstate, chunks, DataParallelAdamW(chunks, cfg.optimizer, pstate), schedule,
+    trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}

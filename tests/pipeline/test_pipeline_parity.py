@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 
-import pytest
 
 from megazero.pipeline.timeline import bubble_of_step
 from tests.helpers.dist import spawn

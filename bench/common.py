@@ -213,8 +213,9 @@ def broadcast_losses(losses: list[float], src: int = 0) -> list[float]:
 
 
 def maybe_profile(step: int, work: Workload, prof=None):
-    """With BENCH_PROFILE=1, rank 0 profiles the timed steps (torch.profiler) and prints the top ops."""
-    if not os.environ.get("BENCH_PROFILE") or (dist.is_initialized() and dist.get_rank() != 0):
+    """With BENCH_PROFILE=1, rank BENCH_PROFILE_RANK (0) profiles the timed steps and prints the top ops."""
+    rank = int(os.environ.get("BENCH_PROFILE_RANK", "0"))
+    if not os.environ.get("BENCH_PROFILE") or (dist.is_initialized() and dist.get_rank() != rank):
         return None
     if step == work.warmup:
         prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])

@@ -40,24 +40,39 @@ def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def decay_runs(segments: list[Segment], numel: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The shard cut into maximal [lo, hi) runs: (decayed, not decayed). Padding is not decayed."""
+    flags = torch.zeros(numel, dtype=torch.bool)
+    for seg in segments:
+        if seg.decay:
+            flags[seg.lo: seg.hi] = True
+    runs: tuple[list, list] = ([], [])
+    lo = 0
+    edges = (torch.nonzero(flags[1:] != flags[:-1]).flatten() + 1).tolist() + [numel]
+    for hi in edges:
+        if hi > lo:
+            runs[0 if flags[lo] else 1].append((lo, hi))
+            lo = hi
+    return runs
+
+
 @torch.no_grad()
 def adamw_shard_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                     segments: list[Segment], h: AdamHyper, step: int) -> None:
+                     runs: tuple[list[tuple[int, int]], list[tuple[int, int]]], h: AdamHyper, step: int) -> None:
     """One AdamW step on a shard. master, grad, exp_avg, exp_avg_sq: [shard_numel] fp32.
 
+    ``runs`` are the shard's decayed and undecayed ranges (``decay_runs``). The update is
+    torch's fused AdamW kernel (what ``torch.optim.AdamW(fused=True)`` runs): one pass over
+    memory instead of the seven an op-by-op update makes, several times faster on CPU too.
     Padding elements have zero grad and zero weight, so they stay zero.
     """
-    if h.weight_decay != 0.0:
-        for seg in segments:
-            if seg.decay:
-                master[seg.lo: seg.hi].mul_(1 - h.lr * h.weight_decay)
-    exp_avg.lerp_(grad, 1 - h.beta1)
-    exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
-    bias_correction1 = 1 - h.beta1 ** step
-    bias_correction2 = 1 - h.beta2 ** step
-    step_size = h.lr / bias_correction1
-    denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(h.eps)
-    master.addcdiv_(exp_avg, denom, value=-step_size)
+    steps = torch.tensor(float(step), device=master.device)
+    for decay, ranges in zip((h.weight_decay, 0.0), runs):
+        if not ranges:
+            continue
+        views = [[t[lo:hi] for lo, hi in ranges] for t in (master, grad, exp_avg, exp_avg_sq)]
+        torch._fused_adamw_(*views, [], [steps] * len(ranges), lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                            weight_decay=decay, eps=h.eps, amsgrad=False, maximize=False)
 
 
 class ShardedAdamState:

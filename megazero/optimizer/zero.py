@@ -39,7 +39,7 @@ from torch import nn
 from ..config import OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step
+from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer
 from .grads import _all_reduce_coalesced, clip_coefficient, counts_for_norm, global_norm
 from .scaler import DynamicLossScaler
@@ -69,6 +69,8 @@ class DistributedOptimizer:
                 grad_dtype=main_grads_dtype, shard_grads=zero == 2, device=pstate.device))
         self.states = [ShardedAdamState([buf.param_shard(b) for b in buf.buckets]) for buf in self.buffers]
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
+        self.decay_runs = [[decay_runs(b.segments, b.shard_numel) for b in buf.buckets]
+                           for buf in self.buffers]
         self.step_count = 0
         self._sync = True
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object]] = []
@@ -116,17 +118,17 @@ class DistributedOptimizer:
         for runs_per_bucket, gs in zip(self.norm_runs, grads):
             for runs, g in zip(runs_per_bucket, gs):
                 for lo, hi in runs:
-                    local_sq += g[lo:hi].pow(2).sum()
+                    local_sq += torch.dot(g[lo:hi], g[lo:hi])  # no temporary the size of the grads
         norm = global_norm(local_sq, self.pstate, sharded_over_dp=self.zero >= 1)
         coef = clip_coefficient(norm, self.cfg.clip_grad)
         self.step_count += 1
         hyper = AdamHyper(lr=lr, weight_decay=self.cfg.weight_decay, beta1=self.cfg.adam_beta1,
                           beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
-        for buf, state, gs in zip(self.buffers, self.states, grads):
-            for b, g, (master, exp_avg, exp_avg_sq) in zip(buf.buckets, gs, state.views):
+        for buf, state, gs, runs in zip(self.buffers, self.states, grads, self.decay_runs):
+            for b, g, (master, exp_avg, exp_avg_sq), r in zip(buf.buckets, gs, state.views, runs):
                 if coef < 1.0:
                     g.mul_(coef)
-                adamw_shard_step(master, g, exp_avg, exp_avg_sq, b.segments, hyper, self.step_count)
+                adamw_shard_step(master, g, exp_avg, exp_avg_sq, r, hyper, self.step_count)
                 if state.separate_master:
                     buf.param_shard(b).copy_(master)
         self._gather_params()

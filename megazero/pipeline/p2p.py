@@ -9,9 +9,18 @@ One ``exchange`` call posts up to four ops as one batch (``batch_isend_irecv``),
 always in the order: activation send, activation receive, gradient send,
 gradient receive. Both backends match messages between a pair of ranks in
 the order they were posted, so this fixed order keeps the two streams apart
-even when the previous and next stage are the same rank (pp = 2, interleaved).
+even when the previous and next stage are the same rank (pp = 2, interleaved);
+activations and gradients also carry different tags, which gloo matches on.
 Neighbours wrap around (rank pp-1's next is rank 0): the interleaved schedule
 sends a chunk's output from the last stage to the first stage's next chunk.
+
+Receives run one ahead on gloo. gloo moves a message only once both sides
+have posted it, so a receive posted when its data is needed costs a round
+trip on the critical path; when the schedule says how many tensors will come
+from each side (``expect``), the link posts the next receive of a stream as
+soon as the current one is taken, and the data lands while the stage
+computes. NCCL runs a batch as one stream-ordered operation, where an early
+receive would hold back the sends queued after it, so there it stays off.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 
 MAX_PENDING_SENDS = 4
+ACTIVATION_TAG, GRADIENT_TAG = 1, 2
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.float64: 3}
 
 
@@ -68,6 +78,16 @@ class StageLink:
         # stall this stage until the neighbour posts the matching receive (lockstep stages);
         # instead they are reaped later, and at most MAX_PENDING_SENDS stay outstanding.
         self.pending_sends: list[tuple[object, torch.Tensor]] = []
+        group = self.pstate.pp_group
+        self.lookahead = group is not None and dist.get_backend(group) == "gloo"
+        # per stream ("prev": activations in, "next": gradients in): receives still to come
+        # this schedule call, and the one already posted ahead (work, buffer)
+        self.expected = {"prev": 0, "next": 0}
+        self.ahead: dict[str, tuple[object, torch.Tensor] | None] = {"prev": None, "next": None}
+
+    def expect(self, from_prev: int, from_next: int) -> None:
+        """The schedule will take ``from_prev`` activations and ``from_next`` gradients this call."""
+        self.expected = {"prev": from_prev, "next": from_next}
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.pstate.device, requires_grad=True)
@@ -93,22 +113,32 @@ class StageLink:
              send_prev: torch.Tensor | None = None, recv_next: bool = False) -> "PendingExchange":
         """``exchange`` without the wait: compute can run while the transfers are in flight."""
         group = self.pstate.pp_group
-        from_prev = self._buffer() if recv_prev else None
-        from_next = self._buffer() if recv_next else None
         ops: list[dist.P2POp] = []
+        receives, buffers = [], {}
+
+        def receive(stream: str, peer: int, tag: int) -> None:
+            if self.ahead[stream] is not None:  # posted earlier: its data may be here already
+                work, buffers[stream] = self.ahead[stream]
+                self.ahead[stream] = None
+                receives.append(work)
+            else:
+                buffers[stream] = self._buffer()
+                ops.append(dist.P2POp(dist.irecv, buffers[stream].data, peer, group, tag))
+
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_next, "an activation"), self.next_rank, group))
-        if from_prev is not None:
-            ops.append(dist.P2POp(dist.irecv, from_prev.data, self.prev_rank, group))
+            ops.append(dist.P2POp(dist.isend, self._check(send_next, "an activation"), self.next_rank, group,
+                                  ACTIVATION_TAG))
+        if recv_prev:
+            receive("prev", self.prev_rank, ACTIVATION_TAG)
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "a gradient"), self.prev_rank, group))
-        if from_next is not None:
-            ops.append(dist.P2POp(dist.irecv, from_next.data, self.next_rank, group))
-        receives = []
+            ops.append(dist.P2POp(dist.isend, self._check(send_prev, "a gradient"), self.prev_rank, group,
+                                  GRADIENT_TAG))
+        if recv_next:
+            receive("next", self.next_rank, GRADIENT_TAG)
         if ops:
             works = C.batch_isend_irecv(ops, group)
             if len(works) != len(ops):  # one coalesced handle (NCCL): nothing to defer
-                receives = list(works)
+                receives.extend(works)
             else:
                 for op, work in zip(ops, works):
                     if op.op is dist.isend:
@@ -116,7 +146,19 @@ class StageLink:
                     else:
                         receives.append(work)
             self._reap_sends()
-        return PendingExchange(receives, from_prev, from_next)
+        for stream in [s for s, wanted in (("prev", recv_prev), ("next", recv_next)) if wanted]:
+            self.expected[stream] -= 1
+            if self.lookahead and self.expected[stream] > 0:
+                self._post_ahead(stream)
+        return PendingExchange(receives, buffers.get("prev"), buffers.get("next"))
+
+    def _post_ahead(self, stream: str) -> None:
+        """Post the next receive of ``stream`` now, so its data arrives while this stage computes."""
+        buffer = self._buffer()
+        peer, tag = (self.prev_rank, ACTIVATION_TAG) if stream == "prev" else (self.next_rank, GRADIENT_TAG)
+        work = C.batch_isend_irecv([dist.P2POp(dist.irecv, buffer.data, peer, self.pstate.pp_group, tag)],
+                                   self.pstate.pp_group)[0]
+        self.ahead[stream] = (work, buffer)
 
     def _reap_sends(self) -> None:
         self.pending_sends = [(w, t) for w, t in self.pending_sends if not w.is_completed()]
@@ -125,6 +167,7 @@ class StageLink:
 
     def flush(self) -> None:
         """Wait for every send still in flight (end of a schedule call)."""
+        assert all(a is None for a in self.ahead.values()), "a receive was posted ahead that no step took"
         for work, _ in self.pending_sends:
             work.wait()
         self.pending_sends.clear()

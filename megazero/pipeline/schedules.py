@@ -85,6 +85,10 @@ class StepRunner:
         seq = model.cfg.seq_length // (model.ctx.size if model.ctx.sequence_parallel else 1)
         dtype = next(model.parameters()).dtype
         self.link = StageLink(pstate, (seq, b, model.cfg.hidden_size), dtype)
+        # every chunk but the model's very first takes m activations, every one but its very last m gradients
+        total = self.m * self.vp
+        self.link.expect(from_prev=total - (self.m if self.first else 0),
+                         from_next=total - (self.m if self.last else 0))
 
     def _span(self, kind: str, micro_batch: int, chunk: int) -> ContextManager:
         if self.timeline is None:

@@ -31,7 +31,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # saved for backward (fresh large buffers page-fault on every call on CPU).
         padding = 0 if vocab_size is None else min(rows, max(0, start + rows - vocab_size))
         if padding < rows:  # padded columns are the last ones (of the last ranks): never the max
-            logits_max = logits[..., : rows - padding].max(dim=-1).values.float()
+            # amax, not max(dim): max also computes indices and is ~20x slower on CPU
+            logits_max = logits[..., : rows - padding].amax(dim=-1).float()
         else:
             logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
         if distributed:

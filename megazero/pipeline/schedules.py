@@ -204,6 +204,7 @@ class PipelineSchedule:
         if self.timeline is not None:
             self.timeline.end_step()
         assert runner.stats.in_flight == 0 and runner.stats.forwards == runner.m * runner.vp, runner.stats
+        assert not any(runner.link.expected.values()), f"receives announced but not taken: {runner.link.expected}"
         self.stats = runner.stats
         return runner.losses
 

@@ -51,6 +51,9 @@ def main() -> None:
     common.add_workload_args(parser)
     args = parser.parse_args()
     work = common.Workload(args.steps, args.warmup)
+    from megazero.training.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as megazero's trainer does on CPU
     rank, world = common.init_world()
 
     from megazero.optimizer.accounting import model_state_bytes as mz_state_bytes

@@ -26,6 +26,7 @@ from ..pipeline.p2p import stage_shape, verify_stage_shapes
 from ..pipeline.partition import build_chunks
 from ..pipeline.schedules import build_schedule
 from ..tensor_parallel.random import seed_everything
+from .host_memory import keep_freed_host_memory
 from .logging import MetricsLog
 from .trainer import Trainer
 from .wandb_log import WandbLogger
@@ -116,6 +117,8 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     layout = validate(cfg, world_size_from_env())
     found = find_checkpoint(cfg)
     device = default_device(cfg.training.device)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
     init_distributed(device)
     rank = dist.get_rank()
     say = log_fn if rank == 0 else (lambda *_: None)

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..tensor_parallel.comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                    gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region)
+from ..tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from ..tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, set_spec, spec_of
+from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
+                                      set_spec, spec_of)
 from .transformer import TPContext, TransformerBlock, make_norm
 
 
@@ -96,11 +96,8 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ctx.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.ctx.group)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.ctx.group)
-        return F.linear(x, self.output_weight)
+        """Vocab-sharded logits; the input-gradient all-reduce overlaps the head's weight-gradient GEMM."""
+        return column_parallel_linear(x, self.output_weight, None, self.ctx.group, self.ctx.sequence_parallel)
 
     @torch.no_grad()
     def full_logits(self, ids_bs: torch.Tensor) -> torch.Tensor:

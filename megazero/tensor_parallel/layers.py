@@ -148,11 +148,16 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _parameter((out_features // tp,), device, dtype, split_dim=0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if group_size(self.tp_group) == 1:
-            y = F.linear(x, self.weight, self.bias)
-        else:
-            y = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, self.bias, self.tp_group, self.sequence_parallel)
         return gather_from_tensor_parallel_region(y, self.tp_group) if self.gather_output else y
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group,
+                           sequence_parallel: bool) -> torch.Tensor:
+    """Y = f(X) A^T + b for a weight held elsewhere too (the tied output head uses the embedding's)."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinearFn.apply(x, weight, bias, group, sequence_parallel)
 
 
 class RowParallelLinear(nn.Module):

@@ -1,6 +1,6 @@
 """megazero against its peers on one fixed workload: one table, plus JSON.
 
-    python bench/run.py [--repeats 3] [--groups dp,tp,pp2,pp4] [--json bench/results.json]
+    python bench/run.py [--repeats 5] [--groups dp,tp,pp2,pp4] [--json bench/results.json]
 
 Each entry is its own world of ranks (OMP_NUM_THREADS=1, gloo). Within a row
 group the entries run round-robin, repeat after repeat (A B C A B C ...), so
@@ -231,7 +231,7 @@ def table(results: dict[str, dict], checks: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--groups", default="dp,tp,pp2,pp4")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .buffers import Segment
+from .buffers import Segment, merged_runs
 
 
 @dataclass
@@ -40,20 +40,9 @@ def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def decay_runs(segments: list[Segment], numel: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The shard cut into maximal [lo, hi) runs: (decayed, not decayed). Padding is not decayed."""
-    flags = torch.zeros(numel, dtype=torch.bool)
-    for seg in segments:
-        if seg.decay:
-            flags[seg.lo: seg.hi] = True
-    runs: tuple[list, list] = ([], [])
-    lo = 0
-    edges = (torch.nonzero(flags[1:] != flags[:-1]).flatten() + 1).tolist() + [numel]
-    for hi in edges:
-        if hi > lo:
-            runs[0 if flags[lo] else 1].append((lo, hi))
-            lo = hi
-    return runs
+def decay_runs(segments: list[Segment]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The shard's (decayed, not decayed) runs; padding is in neither (zero grad and weight stay zero)."""
+    return merged_runs(segments, lambda seg: seg.decay), merged_runs(segments, lambda seg: not seg.decay)
 
 
 @torch.no_grad()
@@ -64,7 +53,6 @@ def adamw_shard_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     ``runs`` are the shard's decayed and undecayed ranges (``decay_runs``). The update is
     torch's fused AdamW kernel (what ``torch.optim.AdamW(fused=True)`` runs): one pass over
     memory instead of the seven an op-by-op update makes, several times faster on CPU too.
-    Padding elements have zero grad and zero weight, so they stay zero.
     """
     steps = torch.tensor(float(step), device=master.device)
     for decay, ranges in zip((h.weight_decay, 0.0), runs):

@@ -23,6 +23,7 @@ Gradient storage depends on the stage:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -60,6 +61,19 @@ class Segment:
     @property
     def emb_sync(self) -> bool:
         return is_tied_embedding(self.param)
+
+
+def merged_runs(segments: list[Segment], keep: Callable[[Segment], bool]) -> list[tuple[int, int]]:
+    """Shard ranges [lo, hi) of the segments ``keep`` selects, adjacent ones merged."""
+    runs: list[tuple[int, int]] = []
+    for seg in segments:
+        if not keep(seg):
+            continue
+        if runs and runs[-1][1] == seg.lo:
+            runs[-1] = (runs[-1][0], seg.hi)
+        else:
+            runs.append((seg.lo, seg.hi))
+    return runs
 
 
 @dataclass

@@ -40,7 +40,7 @@ from ..config import OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step, decay_runs
-from .buffers import Bucket, ParamGradBuffer
+from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grads import _all_reduce_coalesced, clip_coefficient, counts_for_norm, global_norm
 from .scaler import DynamicLossScaler
 
@@ -69,7 +69,7 @@ class DistributedOptimizer:
                 grad_dtype=main_grads_dtype, shard_grads=zero == 2, device=pstate.device))
         self.states = [ShardedAdamState([buf.param_shard(b) for b in buf.buckets]) for buf in self.buffers]
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
-        self.decay_runs = [[decay_runs(b.segments, b.shard_numel) for b in buf.buckets]
+        self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets]
                            for buf in self.buffers]
         self.step_count = 0
         self._sync = True
@@ -301,15 +301,7 @@ class DistributedOptimizer:
 
 def _norm_runs(b: Bucket, pstate: ParallelState) -> list[tuple[int, int]]:
     """Shard ranges [lo, hi) whose grads enter the global norm, adjacent segments merged."""
-    runs: list[tuple[int, int]] = []
-    for seg in b.segments:
-        if not counts_for_norm(seg.param, pstate):
-            continue
-        if runs and runs[-1][1] == seg.lo:
-            runs[-1] = (runs[-1][0], seg.hi)
-        else:
-            runs.append((seg.lo, seg.hi))
-    return runs
+    return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, pstate))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

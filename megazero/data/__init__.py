@@ -11,18 +11,19 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from megazero.data.blend import BlendedDataset, blend_counts, parse_data_path
 from megazero.data.corpus import CorpusPaths, default_corpus
-from megazero.data.gpt_dataset import GPTDataset, split_documents
+from megazero.data.gpt_dataset import GPTDataset, epochs_needed, split_documents
 from megazero.data.indexed import IndexedDataset
 from megazero.data.sampler import MicroBatchIterator
 from megazero.data.tokenizer import Tokenizer
 
 __all__ = [
     "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset",
-    "MicroBatchIterator", "Tokenizer", "build_data", "default_corpus", "parse_data_path",
+    "MicroBatchIterator", "Tokenizer", "build_data", "check_vocabulary", "default_corpus", "parse_data_path",
 ]
 
 
@@ -49,9 +50,41 @@ def _open_sources(data_path: list[str]) -> list[tuple[float, IndexedDataset]]:
     return sources
 
 
+def check_vocabulary(sources: list[tuple[float, IndexedDataset]], vocab_size: int, tokenizer_model: str) -> None:
+    """Refuse data the model cannot embed: an id past the vocabulary is an IndexError at tp 1
+    and, at tp > 1, a zero embedding and a zero target logit that train on garbage.
+
+    Every rank reads the headers itself (a version-1 file is scanned once), so all fail alike.
+    """
+    for _, indexed in sources:
+        data_vocab = indexed.vocab_size
+        if (data_vocab is not None and data_vocab > vocab_size) or indexed.max_token_id >= vocab_size:
+            made = f"a {data_vocab}-piece vocabulary" if data_vocab is not None else "an unrecorded vocabulary"
+            raise ValueError(
+                f"data {indexed.prefix}.idx was tokenized with {made} (largest id {indexed.max_token_id}) but the "
+                f"model vocabulary is {vocab_size} (--tokenizer-model {tokenizer_model}); pass the --tokenizer-model "
+                f"the data was made with, or re-run tools/preprocess_data.py with {tokenizer_model}"
+            )
+
+
+_SPLIT_NAMES = ("training", "validation", "test")
+_SPLIT_FLAGS = ("--train-iters x --global-batch-size", "--eval-iters x --global-batch-size", "--eval-iters")
+
+
+def _warn_repeats(indexed: IndexedDataset, docs: np.ndarray, split_index: int, seq_length: int,
+                  num_samples: int, log: Callable[[str], None]) -> None:
+    """Say so when a split is read more than once (a small corpus silently repeats otherwise)."""
+    tokens = int(indexed.doc_lengths[docs].sum())
+    epochs = epochs_needed(tokens, seq_length, num_samples)
+    if epochs > 1:
+        log(f"warning: the {_SPLIT_NAMES[split_index]} split of {indexed.prefix} holds {tokens} tokens "
+            f"({max(1, tokens // seq_length)} samples of {seq_length + 1}); {num_samples} samples "
+            f"({_SPLIT_FLAGS[split_index]}) read it {epochs} epochs; add data or train for fewer samples")
+
+
 def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, split: str,
                  seq_length: int, num_samples: int, seed: int, is_builder: bool,
-                 barrier: Callable[[], None]) -> torch.utils.data.Dataset | None:
+                 barrier: Callable[[], None], log: Callable[[str], None]) -> torch.utils.data.Dataset | None:
     """One split (0 train, 1 valid, 2 test) over all sources, blended by weight."""
     if num_samples <= 0:
         return None
@@ -62,26 +95,28 @@ def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, 
             parts.append((weight, indexed, docs))
     if not parts:
         return None
-    if len(parts) == 1:
-        _, indexed, docs = parts[0]
-        return GPTDataset(indexed, seq_length, num_samples, seed, docs, is_builder=is_builder, barrier=barrier)
     weights = [w for w, _, _ in parts]
-    counts = blend_counts(weights, num_samples, seed)
-    datasets = [
-        GPTDataset(indexed, seq_length, max(count, 1), seed, docs, is_builder=is_builder, barrier=barrier)
-        for (_, indexed, docs), count in zip(parts, counts)
-    ]
-    return BlendedDataset(datasets, weights, num_samples, seed)
+    counts = [num_samples] if len(parts) == 1 else blend_counts(weights, num_samples, seed)
+    datasets = []
+    for (_, indexed, docs), count in zip(parts, counts):
+        count = max(count, 1)
+        if split_index < 2:  # the test split is not read by training
+            _warn_repeats(indexed, docs, split_index, seq_length, count, log)
+        datasets.append(GPTDataset(indexed, seq_length, count, seed, docs, is_builder=is_builder, barrier=barrier))
+    return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples, seed)
 
 
 def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, split: str,
                seq_length: int, train_samples: int, eval_samples: int, seed: int,
                is_builder: bool, barrier: Callable[[], None] = lambda: None,
-               log: Callable[[str], None] = print) -> DataBundle:
+               log: Callable[[str], None] = print, vocab_size: int | None = None) -> DataBundle:
     """Tokenizer plus train/valid/test datasets for the given flags.
 
     With ``data_path=None`` the embedded stdlib-docstring corpus is used (built
     by the builder before the first barrier, loaded by the others after it).
+    ``vocab_size`` is the model's vocabulary (None: the tokenizer's); data with
+    larger ids is refused. ``eval_samples > 0`` means evaluation was asked for,
+    so a split with no validation data is an error rather than a silent no-op.
     """
     if data_path is None:
         corpus = default_corpus(log=log) if is_builder else None
@@ -93,9 +128,14 @@ def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, spli
         raise ValueError("--data-path needs --tokenizer-model (the sentencepiece model the data was tokenized with)")
     tokenizer = Tokenizer.load(tokenizer_model)
     sources = _open_sources(list(data_path))
-    train = _build_split(sources, 0, split, seq_length, train_samples, seed, is_builder, barrier)
+    check_vocabulary(sources, vocab_size or tokenizer.vocab_size, tokenizer_model)
+    train = _build_split(sources, 0, split, seq_length, train_samples, seed, is_builder, barrier, log)
     if train is None:
         raise ValueError(f"--split {split!r} leaves no training documents; give the first split a larger weight")
-    valid = _build_split(sources, 1, split, seq_length, eval_samples, seed, is_builder, barrier)
-    test = _build_split(sources, 2, split, seq_length, eval_samples, seed, is_builder, barrier)
+    valid = _build_split(sources, 1, split, seq_length, eval_samples, seed, is_builder, barrier, log)
+    if eval_samples > 0 and valid is None:
+        raise ValueError(f"--eval-interval asks for validation but --split {split!r} leaves no validation data "
+                         f"in {', '.join(ix.prefix for _, ix in sources)}; give the second --split weight a share "
+                         "(e.g. 969,30,1), add documents, or set --eval-interval 0")
+    test = _build_split(sources, 2, split, seq_length, eval_samples, seed, is_builder, barrier, log)
     return DataBundle(tokenizer=tokenizer, train=train, valid=valid, test=test)

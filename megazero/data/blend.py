@@ -48,7 +48,9 @@ def blend_assignment(weights: Sequence[float], num_samples: int, seed: int) -> t
     phase = np.random.RandomState(seed % 2**32).uniform(0.25, 0.75, size=len(w))
     due, source = [], []
     for k, wk in enumerate(w):
-        count = int(math.ceil(wk * num_samples + 1))
+        # enough candidates that the first num_samples by due time never depend on num_samples:
+        # the n-th due time is below n + 0.75 * len(w), and source k has fewer than wk * that before it
+        count = int(math.ceil(wk * (num_samples + len(w)))) + 1
         due.append((np.arange(count) + phase[k]) / wk)
         source.append(np.full(count, k, dtype=np.int64))
     order = np.argsort(np.concatenate(due), kind="stable")[:num_samples]

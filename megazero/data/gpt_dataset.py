@@ -26,7 +26,7 @@ import torch
 
 from megazero.data.indexed import IndexedDataset
 
-_INDEX_VERSION = 2  # 2: order independent of num_samples
+_INDEX_VERSION = 3  # 3: whole shuffle blocks, so the order never depends on num_samples
 _NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
@@ -66,22 +66,28 @@ def build_sample_index(doc_lengths: np.ndarray, doc_idx: np.ndarray, seq_length:
     return np.stack([pos, sample_starts - starts_of_docs[pos]], axis=1)
 
 
+def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> int:
+    """Passes over the documents that ``num_samples`` windows read (each window needs one extra token)."""
+    return -(-(num_samples * seq_length + 1) // tokens_per_epoch)
+
+
 def build_indices(
     doc_lengths: np.ndarray, doc_indices: np.ndarray, seq_length: int, num_samples: int, seed: int
 ) -> dict[str, np.ndarray]:
-    """Compute doc_idx / sample_idx / shuffle_idx for enough epochs.
+    """Compute doc_idx / sample_idx / shuffle_idx; the first ``num_samples`` of one endless order.
 
-    The order depends on the number of epochs only, not on ``num_samples``: every
-    window of those epochs is indexed and shuffled epoch by epoch, and the dataset
-    reads the first ``num_samples`` of that order. So a shorter run reads a prefix
-    of a longer run's samples, and a resumed run with another --train-iters
-    continues the same sequence.
+    Windows are shuffled in blocks of about one epoch's windows, each block by a
+    full permutation drawn in turn from one seeded stream, and only whole blocks
+    are ever built. So no block depends on ``num_samples``: a shorter run reads a
+    prefix of a longer run's samples, across epoch boundaries too, and a run
+    resumed with another --train-iters or --global-batch-size continues the order.
     """
     tokens_per_epoch = int(doc_lengths[doc_indices].sum())
     if tokens_per_epoch < 2:
         raise ValueError("the selected documents hold fewer than 2 tokens; add data or change --split")
-    needed = num_samples * seq_length + 1
-    num_epochs = -(-needed // tokens_per_epoch)
+    per_block = max(1, tokens_per_epoch // seq_length)
+    num_windows = -(-num_samples // per_block) * per_block  # whole shuffle blocks
+    num_epochs = epochs_needed(tokens_per_epoch, seq_length, num_windows)
     rng = np.random.RandomState(seed % 2**32)
     epochs = []
     for _ in range(num_epochs):
@@ -89,11 +95,9 @@ def build_indices(
         rng.shuffle(epoch)
         epochs.append(epoch)
     doc_idx = np.concatenate(epochs)
-    total = (num_epochs * tokens_per_epoch - 1) // seq_length  # every full window of these epochs
-    sample_idx = build_sample_index(doc_lengths, doc_idx, seq_length, total)
-    per_epoch = max(1, tokens_per_epoch // seq_length)
+    sample_idx = build_sample_index(doc_lengths, doc_idx, seq_length, num_windows)
     shuffle_rng = np.random.RandomState((seed + 1) % 2**32)
-    blocks = [start + shuffle_rng.permutation(min(per_epoch, total - start)) for start in range(0, total, per_epoch)]
+    blocks = [start + shuffle_rng.permutation(per_block) for start in range(0, num_windows, per_block)]
     shuffle_idx = np.concatenate(blocks).astype(np.int64)[:num_samples]
     return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
 

@@ -4,10 +4,16 @@
 ``.idx`` layout, little endian::
 
     magic    8 bytes  b"MZIDX\\x00\\x00\\x00"
-    version  uint32   1
+    version  uint32   2 (1: no vocab_size/max_id fields; still read)
     dtype    uint32   1 = uint16 tokens, 2 = uint32 tokens
     n_docs   uint64
+    vocab    uint64   vocabulary size of the tokenizer the data was made with   (v2)
+    max_id   int64    largest token id in the .bin, -1 when it holds no tokens  (v2)
     offsets  int64 x (n_docs + 1)   token offset of each document; last = total
+
+The vocabulary fields let training refuse data that its model cannot embed
+(an id past the vocabulary is an IndexError at tp 1 and a silent zero
+embedding at tp > 1). A version-1 file is scanned once for its largest id.
 
 Both files are memory-mapped, never read whole, so a corpus larger than RAM
 is fine. Files are written under temporary names and renamed at the end, so
@@ -19,13 +25,16 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
 
 import numpy as np
 
 MAGIC = b"MZIDX\x00\x00\x00"
-VERSION = 1
-_HEADER = struct.Struct("<8sIIQ")
+VERSION = 2
+_HEADER_V1 = struct.Struct("<8sIIQ")
+_HEADER = struct.Struct("<8sIIQQq")
+_SCAN_CHUNK = 1 << 24  # tokens per slice when scanning a version-1 .bin
 _DTYPES = MappingProxyType({1: np.dtype(np.uint16), 2: np.dtype(np.uint32)})
 
 
@@ -54,6 +63,7 @@ class IndexedDatasetWriter:
         self._tmp_idx = f"{prefix}.idx.tmp{os.getpid()}"
         self._bin = open(self._tmp_bin, "wb")
         self._offsets: list[int] = [0]
+        self._max_id = -1
 
     def add_document(self, ids: Iterable[int] | np.ndarray) -> None:
         """Append one document's token ids."""
@@ -62,6 +72,8 @@ class IndexedDatasetWriter:
             raise ValueError(
                 f"token id out of range [0, {self._vocab_size}) while writing {self.prefix}.bin"
             )
+        if arr.size:
+            self._max_id = max(self._max_id, int(arr.max()))
         self._bin.write(arr.astype(self.dtype, copy=False).tobytes())
         self._offsets.append(self._offsets[-1] + int(arr.size))
 
@@ -78,7 +90,8 @@ class IndexedDatasetWriter:
         self._bin.close()
         offsets = np.asarray(self._offsets, dtype="<i8")
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(offsets) - 1))
+            f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(offsets) - 1,
+                                 self._vocab_size, self._max_id))
             f.write(offsets.tobytes())
         os.replace(self._tmp_bin, self.prefix + ".bin")
         os.replace(self._tmp_idx, self.prefix + ".idx")
@@ -100,26 +113,55 @@ class IndexedDatasetWriter:
             self.discard()
 
 
-def _read_index(path: str) -> tuple[np.dtype, np.ndarray]:
-    """Validate ``.idx`` and memory-map its offsets; every defect is a ValueError."""
+@dataclass(frozen=True)
+class IndexHeader:
+    """The fixed fields of an ``.idx`` file (vocab_size and max_id are None in version 1)."""
+
+    version: int
+    dtype: np.dtype
+    n_docs: int
+    vocab_size: int | None
+    max_id: int | None
+    size: int  # header bytes; the offsets follow
+
+
+def _read_header(path: str) -> IndexHeader:
+    """Parse and check the header of either version; every defect is a ValueError."""
     size = os.path.getsize(path)
-    if size < _HEADER.size:
-        raise ValueError(f"index file {path} is truncated ({size} bytes, header needs {_HEADER.size}); re-run preprocessing")
+    if size < _HEADER_V1.size:
+        raise ValueError(f"index file {path} is truncated ({size} bytes, header needs {_HEADER_V1.size}); "
+                         "re-run preprocessing")
     with open(path, "rb") as f:
-        magic, version, code, n_docs = _HEADER.unpack(f.read(_HEADER.size))
+        head = f.read(_HEADER.size)
+    magic, version, code, n_docs = _HEADER_V1.unpack(head[:_HEADER_V1.size])
     if magic != MAGIC:
         raise ValueError(f"index file {path} has bad magic bytes {magic!r}; it is not a megazero .idx file")
-    if version != VERSION:
-        raise ValueError(f"index file {path} has version {version}, this code reads version {VERSION}; re-run preprocessing")
+    if version not in (1, VERSION):
+        raise ValueError(f"index file {path} has version {version}, this code reads versions 1 and {VERSION}; "
+                         "re-run preprocessing")
     if code not in _DTYPES:
         raise ValueError(f"index file {path} has unknown dtype code {code}; re-run preprocessing")
-    expected = _HEADER.size + 8 * (n_docs + 1)
+    if version == 1:
+        return IndexHeader(1, _DTYPES[code], n_docs, None, None, _HEADER_V1.size)
+    if len(head) < _HEADER.size:
+        raise ValueError(f"index file {path} is truncated ({size} bytes, header needs {_HEADER.size}); "
+                         "re-run preprocessing")
+    _, _, _, _, vocab_size, max_id = _HEADER.unpack(head)
+    return IndexHeader(version, _DTYPES[code], n_docs, vocab_size, max_id, _HEADER.size)
+
+
+def _read_index(path: str) -> tuple[IndexHeader, np.ndarray]:
+    """Validate ``.idx`` and memory-map its offsets; every defect is a ValueError."""
+    header = _read_header(path)
+    size, n_docs = os.path.getsize(path), header.n_docs
+    expected = header.size + 8 * (n_docs + 1)
     if size != expected:
-        raise ValueError(f"index file {path} is {size} bytes but {n_docs} documents need {expected}; it is truncated or corrupt")
-    offsets = np.memmap(path, dtype="<i8", mode="r", offset=_HEADER.size, shape=(n_docs + 1,))
+        raise ValueError(f"index file {path} is {size} bytes but {n_docs} documents need {expected}; "
+                         "it is truncated or corrupt")
+    offsets = np.memmap(path, dtype="<i8", mode="r", offset=header.size, shape=(n_docs + 1,))
     if offsets[0] != 0 or (n_docs and np.any(np.diff(offsets) < 0)):
         raise ValueError(f"index file {path} has non-monotonic document offsets; it is corrupt")
-    return _DTYPES[code], offsets
+    return header, offsets
 
 
 class IndexedDataset:
@@ -130,7 +172,9 @@ class IndexedDataset:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
                 raise ValueError(f"data file {prefix + ext} does not exist; check --data-path (give the prefix, without .bin/.idx)")
-        self.dtype, self._offsets = _read_index(prefix + ".idx")
+        self._header, self._offsets = _read_index(prefix + ".idx")
+        self.dtype = self._header.dtype
+        self._max_id = self._header.max_id
         bin_path = prefix + ".bin"
         expected = int(self._offsets[-1]) * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
@@ -154,6 +198,23 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return int(self._offsets[-1])
+
+    @property
+    def version(self) -> int:
+        return self._header.version
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Vocabulary the data was tokenized with (None for a version-1 file, which did not record it)."""
+        return self._header.vocab_size
+
+    @property
+    def max_token_id(self) -> int:
+        """Largest token id in the data, -1 if none: from the header, or one scan of a version-1 ``.bin``."""
+        if self._max_id is None:
+            self._max_id = max((int(self._tokens[i:i + _SCAN_CHUNK].max())
+                                for i in range(0, self.num_tokens, _SCAN_CHUNK)), default=-1)
+        return self._max_id
 
     @property
     def doc_lengths(self) -> np.ndarray:

@@ -3,19 +3,27 @@
     python tools/plan_memory.py --config configs/tiny.yaml --tp 2 --pp 2 --dp 4 --zero 1 --bf16
     python tools/plan_memory.py ... --json            # one JSON object (bytes)
     python tools/plan_memory.py ... --gpus 64 --gpu-memory 80 [--gpus-per-node 8]   # search
+    python tools/plan_memory.py --write-docs          # regenerate the planner blocks of README/docs
 
 Takes pretrain_gpt.py's model and layout flags; ``--dp`` (default 1) stands in
 for the world size the launcher would give. The search keeps the model, seq
 length, precision and global batch, and varies tp (inside a node), pp, dp,
 zero, micro-batch and recompute. Arithmetic: ``megazero.memory``.
+
+The 7B tables in README.md and docs/planner_7b.md are this tool's output,
+pasted between ``<!-- plan:NAME begin -->`` / ``<!-- plan:NAME end -->``
+markers by ``--write-docs``; tests/memory/test_docs_tables.py fails when they drift.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 from megazero.arguments import parse_config  # noqa: E402
 from megazero.memory import (Hardware, format_candidates, format_plan, plan_for_run,  # noqa: E402
@@ -33,29 +41,104 @@ EXTRA = [
     ("--intra-node-gbps", {"type": float, "default": 450.0, "help": "Search mode: GB/s per GPU in a node."}),
     ("--inter-node-gbps", {"type": float, "default": 50.0, "help": "Search mode: GB/s per GPU across nodes."}),
     ("--headroom", {"type": float, "default": 0.1, "help": "Search mode: fraction of GPU memory kept free."}),
+    ("--write-docs", {"action": "store_true", "help": "Regenerate the planner tables in README.md and "
+                                                      "docs/planner_7b.md (other flags are ignored)."}),
 ]
 
 
+def report(argv: list[str]) -> tuple[int, str]:
+    """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
+    cfg, ns = parse_config(argv, prog="plan_memory.py", extra=EXTRA)
+    if ns.gpus is None:
+        plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
+        return 0, json.dumps(plan.to_dict()) if ns.json else format_plan(plan)
+    hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,
+                  peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
+                  intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
+                  headroom=ns.headroom)
+    cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
+    base = plan_for_run(cfg, 1).spec
+    cands = search_layouts(base, hw, cfg.training.global_batch_size)
+    if ns.json:
+        return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0}
+                                                for i, c in enumerate(cands[: ns.top])])
+    return (0 if cands else 1), format_candidates(cands, hw, ns.top)
+
+
+# -- the generated documentation blocks ------------------------------------------------------------
+F_7B = ("--arch llama --num-layers 32 --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 \\\n"
+        "   --seq-length 4096 --vocab-size 32000 --bf16 --global-batch-size 512 --micro-batch-size 1")
+SEARCH_7B = "--gpus 64 --gpu-memory 80 --gpus-per-node 8"
+DP_ONLY_7B = ["--tp 1 --pp 1 --dp 64 --zero 1 --recompute full",
+              "--tp 1 --pp 1 --dp 64 --zero 2 --recompute full --micro-batch-size 8"]
+
+
+def _run_block(flags: list[str], with_f: bool) -> str:
+    """A fenced block: each command (on the $F model flags) followed by its output."""
+    parts = [f'F="{F_7B}"'] if with_f else []
+    for i, f in enumerate(flags):
+        _, text = report(shlex.split(F_7B.replace("\\\n", " ")) + shlex.split(f))
+        parts += ([""] if i or with_f else []) + [f"python tools/plan_memory.py $F {f}", text]
+    return "```\n" + "\n".join(parts) + "\n```"
+
+
+def best_layout_flags() -> str:
+    """The flags of the search's fastest layout (so the docs' stage-by-stage block follows the search)."""
+    cfg, ns = parse_config(shlex.split(F_7B.replace("\\\n", " ")) + shlex.split(SEARCH_7B), extra=EXTRA)
+    base = plan_for_run(cfg, 1).spec
+    hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node)
+    s = search_layouts(base, hw, cfg.training.global_batch_size)[0].spec
+    return (f"--tp {s.tp} --pp {s.pp} --dp {s.dp} --zero {s.zero} --micro-batch-size {s.micro_batch_size} "
+            f"--recompute {s.recompute}{' --sequence-parallel' if s.sequence_parallel else ''}")
+
+
+def doc_blocks() -> dict[str, dict[str, str]]:
+    """File (relative to the repository) -> block name -> generated block text."""
+    return {
+        "README.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"], with_f=True)},
+        "docs/planner_7b.md": {"7b-search": _run_block([f"{SEARCH_7B} --top 12"], with_f=True),
+                               "7b-best": _run_block([best_layout_flags()], with_f=False),
+                               "7b-dp": _run_block(DP_ONLY_7B, with_f=False)},
+    }
+
+
+def replace_blocks(text: str, blocks: dict[str, str], path: str) -> str:
+    """``text`` with the body between each block's begin/end markers replaced by the block."""
+    for name, body in blocks.items():
+        tag = re.escape(name)
+        pattern = re.compile(rf"(<!-- plan:{tag} begin -->\n)(?:.*?\n)?(<!-- plan:{tag} end -->)", re.DOTALL)
+        if not pattern.search(text):
+            raise ValueError(f"{path} has no '<!-- plan:{name} begin -->' ... '<!-- plan:{name} end -->' markers; "
+                             f"add them where the generated table belongs.")
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text, count=1)
+    return text
+
+
+def write_docs(root: str = ROOT) -> list[str]:
+    """Regenerate every block in place; returns the files that changed."""
+    changed = []
+    for rel, blocks in doc_blocks().items():
+        path = os.path.join(root, rel)
+        with open(path, encoding="utf-8") as f:
+            old = f.read()
+        new = replace_blocks(old, blocks, rel)
+        if new != old:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
+            changed.append(rel)
+    return changed
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        cfg, ns = parse_config(argv, prog="plan_memory.py", extra=EXTRA)
-        if ns.gpus is None:
-            plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
-            print(json.dumps(plan.to_dict()) if ns.json else format_plan(plan))
+        if "--write-docs" in argv:
+            changed = write_docs()
+            print(f"rewrote {', '.join(changed)}" if changed else "planner tables already up to date")
             return 0
-        hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,
-                      peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
-                      intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
-                      headroom=ns.headroom)
-        cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
-        base = plan_for_run(cfg, 1).spec
-        cands = search_layouts(base, hw, cfg.training.global_batch_size)
-        if ns.json:
-            print(json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0}
-                              for i, c in enumerate(cands[: ns.top])]))
-        else:
-            print(format_candidates(cands, hw, ns.top))
-        return 0 if cands else 1
+        code, text = report(argv)
+        print(text)
+        return code
     except ValueError as err:
         print(f"plan_memory.py: error: {err}", file=sys.stderr)
         return 2

@@ -23,6 +23,9 @@ the parameters in place, so K = 8):
     zero 3     w / dp   g / dp       K / dp    (the paper's P_os+g+p; arithmetic only)
 
 with w = 2 (bf16/fp16) or 4 (fp32), g = 4 (fp32 main grads) or 2 (bf16).
+This is the persistent state (the paper's arithmetic). During a step our ZeRO 2
+also holds full-size bucket gradients (a full buffer while m > 1 micro-batches
+accumulate); ``grads.py`` adds those, and the planner charges the peak.
 """
 from __future__ import annotations
 
@@ -86,6 +89,34 @@ def num_parameters(cfg: ModelConfig, tp: int = 1) -> int:
     total = block_params(cfg) * cfg.num_layers
     total = total + embedding_params(cfg, tp, cfg.arch == "gpt2") + head_params(cfg, tp)
     return total.full
+
+
+def block_param_numels(cfg: ModelConfig, tp: int) -> list[int]:
+    """One block's parameters on one TP rank, in registration order (norm1, qkv, proj, norm2, mlp)."""
+    h, f, gpt2 = cfg.hidden_size, cfg.ffn_size, cfg.arch == "gpt2"
+    qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // tp
+    norm = [h, h] if gpt2 else [h]
+    attn = [qkv * h, qkv, h * cfg.num_attention_heads * cfg.head_dim // tp, h] if gpt2 else \
+        [qkv * h, h * cfg.num_attention_heads * cfg.head_dim // tp]
+    mlp = [f // tp * h, f // tp, h * f // tp, h] if gpt2 else [f // tp * h, f // tp * h, h * f // tp]
+    return norm + attn + norm + mlp
+
+
+def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool,
+                       post_process: bool) -> list[int]:
+    """Element counts of one chunk's parameters on one TP rank, in ``GPTModel`` registration order
+    (the word embedding first when the chunk has one): what the optimizer's buckets are cut from."""
+    numels: list[int] = []
+    if pre_process or (post_process and cfg.tied_embeddings):
+        numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
+        if pre_process and cfg.arch == "gpt2":
+            numels.append(cfg.position_table_size * cfg.hidden_size)
+    numels += block_param_numels(cfg, tp) * num_blocks
+    if post_process:
+        numels += [cfg.hidden_size] * (2 if cfg.arch == "gpt2" else 1)  # final norm weight (, bias)
+        if not cfg.tied_embeddings:
+            numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
+    return numels
 
 
 def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool) -> int:

@@ -1,10 +1,11 @@
 """Per-rank memory of a model and a parallel layout, stage by stage.
 
 ``plan_memory(spec)`` adds up, for every pipeline stage (the ranks of one
-stage are alike): model state (``params``), activations held by the
-schedule (``activations``), ZeRO-2's transient bucket gradients (``buckets``)
-and the largest short-lived working set (``transient``: one block rebuilt
-under full recompute, or the logits and their fp32 copy on the last stage).
+stage are alike): model state (``params``; gradients at the optimizer's
+high-water mark in a step, ``grads``: ZeRO 2's full-size bucket gradients
+included), activations held by the schedule (``activations``) and the
+largest short-lived working set (``transient``: one block rebuilt under full
+recompute, or the logits and their fp32 copy on the last stage).
 The rank that needs the most is the one to size the GPU for.
 """
 from __future__ import annotations
@@ -14,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from ..config import Config, ConfigError, ModelConfig
 from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
                           recompute_working_bytes)
-from .params import bytes_per_param, chunk_params, model_state_bytes, num_parameters
+from .grads import bucket_numels, grad_bytes
+from .params import bytes_per_param, chunk_param_numels, chunk_params, model_state_bytes, num_parameters
 
 GIB = 2**30
 
@@ -71,10 +73,9 @@ class StagePlan:
     params_on_rank: int
     in_flight: int
     params_bytes: float
-    grads_bytes: float
+    grads_bytes: float  # peak in a step: persistent buffer or shard + ZeRO-2 full-size buckets / step copies
     optimizer_bytes: float
     activations_bytes: float
-    buckets_bytes: float
     transient_bytes: float
 
     @property
@@ -83,7 +84,7 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activations_bytes + self.buckets_bytes + self.transient_bytes
+        return self.model_state_bytes + self.activations_bytes + self.transient_bytes
 
 
 @dataclass
@@ -112,6 +113,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     chunks = [(c == 0 and first, c == spec.vp - 1 and last) for c in range(spec.vp)]
     params = sum(chunk_params(cfg, spec.tp, blocks, pre, post) for pre, post in chunks)
     state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
+    _, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    grads = grad_bytes(params, _chunk_buckets(spec, blocks, chunks), spec.dp, spec.zero, spec.num_micro_batches, g)
     in_flight = in_flight_micro_batches(spec.schedule, spec.pp, stage, spec.num_micro_batches, spec.vp)
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.recompute_num_layers)
     with_extras = -(-in_flight // spec.vp)  # chunk-forwards of the chunk holding the embedding or the head
@@ -119,13 +122,20 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     for pre, post in chunks:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
-    _, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
-    buckets = 2 * min(spec.bucket_size, params) * g if spec.zero >= 2 else 0
     logits = a.seq_length * a.micro_batch_size * cfg.padded_vocab_size(spec.tp) // spec.tp * (a.dtype_bytes + 4)
     transient = max(recompute_working_bytes(cfg, a), logits if last else 0)
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight, params_bytes=state.params,
-                     grads_bytes=state.grads, optimizer_bytes=state.optimizer, activations_bytes=activations,
-                     buckets_bytes=buckets, transient_bytes=transient)
+                     grads_bytes=grads.peak, optimizer_bytes=state.optimizer, activations_bytes=activations,
+                     transient_bytes=transient)
+
+
+def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[int]]:
+    """Padded bucket sizes of each chunk on this stage (only ZeRO 2 with one micro-batch needs them)."""
+    if spec.zero < 2 or spec.num_micro_batches > 1:
+        return []
+    tied = spec.pp > 1 and spec.model.tied_embeddings
+    return [bucket_numels(chunk_param_numels(spec.model, spec.tp, blocks, pre, post), spec.bucket_size, spec.dp,
+                          tied and (pre or post)) for pre, post in chunks]
 
 
 def plan_memory(spec: PlanSpec) -> MemoryPlan:
@@ -148,12 +158,12 @@ def format_plan(plan: MemoryPlan) -> str:
              f"{f' vp={s.vp}' if s.vp > 1 else ''}, recompute {s.recompute}, sp {s.sequence_parallel}",
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
-             f"{'buckets':>8} {'transient':>9} {'total':>8}"]
+             f"{'transient':>9} {'total':>8}"]
     peak = plan.peak.stage
     for st in plan.stages:
         lines.append(f"{st.stage:>5} {st.params_bytes / GIB:8.2f} {st.grads_bytes / GIB:8.2f} "
                      f"{st.optimizer_bytes / GIB:8.2f} {st.activations_bytes / GIB:8.2f} {st.in_flight:>9} "
-                     f"{st.buckets_bytes / GIB:8.2f} {st.transient_bytes / GIB:9.2f} {st.total_bytes / GIB:8.2f}"
+                     f"{st.transient_bytes / GIB:9.2f} {st.total_bytes / GIB:8.2f}"
                      f"{'  <- peak' if st.stage == peak and s.pp > 1 else ''}")
     return "\n".join(lines)
 

@@ -1,0 +1,44 @@
+"""The planner tables in README.md and docs/planner_7b.md are the planner's current output.
+
+They are pasted by ``python tools/plan_memory.py --write-docs`` between
+``<!-- plan:NAME begin/end -->`` markers; this re-runs the planner and fails
+when the committed text differs (a changed formula, a stale hand edit).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("plan_memory_tool", os.path.join(ROOT, "tools", "plan_memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_docs_tables_match_planner():
+    tool, stale = _tool(), []
+    for rel, blocks in tool.doc_blocks().items():
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            committed = f.read()
+        fresh = tool.replace_blocks(committed, blocks, rel)
+        if fresh != committed:
+            diff = difflib.unified_diff(committed.splitlines(), fresh.splitlines(), rel, "planner", lineterm="", n=1)
+            stale.append("\n".join(list(diff)[:40]))
+    assert not stale, "planner tables drifted; run `python tools/plan_memory.py --write-docs`:\n" + "\n".join(stale)
+
+
+def test_drift_is_detected():
+    """A stale number inside a block is replaced; text outside the markers is kept; no markers is an error."""
+    tool = _tool()
+    text = "intro 14.6\n<!-- plan:x begin -->\n528 feasible\n<!-- plan:x end -->\ntail\n"
+    assert tool.replace_blocks(text, {"x": "550 feasible"}, "T.md") == \
+        "intro 14.6\n<!-- plan:x begin -->\n550 feasible\n<!-- plan:x end -->\ntail\n"
+    with pytest.raises(ValueError, match="plan:y begin"):
+        tool.replace_blocks(text, {"y": "body"}, "T.md")

@@ -1,0 +1,45 @@
+"""The planner's view of the optimizer's buckets, against the optimizer's own bucketing of a built model."""
+from __future__ import annotations
+
+import pytest
+
+from megazero.config import ModelConfig
+from megazero.memory import bucket_numels, grad_bytes
+from megazero.memory.params import chunk_param_numels
+from megazero.model.gpt import GPTModel
+from megazero.model.transformer import TPContext
+from megazero.optimizer.buffers import plan_buckets
+from megazero.optimizer.zero import MAX_INFLIGHT_BUCKETS
+from tests.memory.test_model_state import MODELS
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("pre,post", [(True, True), (True, False), (False, True), (False, False)])
+def test_param_numels_in_registration_order(name, pre, post):
+    cfg = ModelConfig(**MODELS[name])
+    model = GPTModel(cfg, TPContext(), layer_ids=range(1), pre_process=pre, post_process=post)
+    assert chunk_param_numels(cfg, 1, 1, pre, post) == [p.numel() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("bucket_size,shards,tied", [(3000, 1, False), (3000, 2, True), (500, 4, False),
+                                                      (10**9, 2, False), (1, 3, True)])
+def test_bucket_numels_match_plan_buckets(name, bucket_size, shards, tied):
+    cfg = ModelConfig(**MODELS[name])
+    model = GPTModel(cfg, TPContext())
+    params = list(model.parameters())
+    params[0].is_tied_embedding = tied  # the word embedding, as partition.py marks it with pp > 1
+    buckets, _ = plan_buckets(list(reversed(params)), bucket_size, shards, 0)
+    numels = chunk_param_numels(cfg, 1, cfg.num_layers, True, True)
+    assert bucket_numels(numels, bucket_size, shards, tied) == [b.numel for b in buckets]
+
+
+def test_zero2_gradient_bytes_depend_on_micro_batches():
+    """The issue's case: fp32, dp 2, m 2 holds a full buffer plus the shard, 6 bytes per parameter."""
+    p = 1_000_000
+    assert grad_bytes(p, [], 2, 2, 2, 4).peak == 6 * p
+    assert grad_bytes(p, [], 2, 1, 2, 4).peak == 4 * p  # ZeRO 1: the full buffer only
+    buckets = [100, 200, 300, 400, 50]
+    k = MAX_INFLIGHT_BUCKETS + 1  # in flight + the one filling, consecutive in backward order
+    window = max(sum(buckets[i: i + k]) for i in range(len(buckets) - k + 1))
+    assert grad_bytes(p, [buckets], 2, 2, 1, 4).peak == 2 * p + 4 * window

@@ -19,9 +19,21 @@ from .buffers import Segment, merged_runs
 
 @dataclass
 class StepResult:
+    """What one optimizer step did; every rank returns the same flags (the decisions are agreed).
+
+    ``skipped``: the update was not applied (weights, moments and step count untouched), for any
+    reason. ``nonfinite``: skipped because the gradients were not finite for a reason a smaller loss
+    scale cannot explain: a non-finite global norm in fp32/bf16, or an fp16 overflow with the loss
+    scale already at ``--min-loss-scale``. An fp16 overflow above the floor is the loss-scale search:
+    ``skipped`` without ``nonfinite``. The trainer counts ``skipped_iterations`` from the first,
+    ``nan_iterations`` from the second (or a non-finite loss), and stops after
+    ``--max-skipped-steps`` consecutive ``nonfinite`` skips.
+    """
+
     grad_norm: float
     skipped: bool = False
     loss_scale: float | None = None
+    nonfinite: bool = False
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ Per step, for every bucket of every model chunk (``buffers.py``):
                                   then free the full-size bucket gradient
     step()              wait; sum replicated grads (SP params over TP, tied
                         embedding over the embedding group) on the reduced
-                        shards; unscale + overflow check (fp16); global norm;
-                        clip; AdamW on the fp32 master shard; cast back into
-                        the parameter buffer; all-gather the updated shards
-                        (async when ``overlap_param_gather``).
+                        shards; unscale + overflow check (fp16); global norm
+                        (summed in fp64); skip on overflow or a non-finite
+                        norm; clip; AdamW on the fp32 master shard; cast back
+                        into the parameter buffer; all-gather the updated
+                        shards (async when ``overlap_param_gather``).
 
 Replicated-gradient sums commute with the DP sum, so doing them on the
 reduced shards, after the DP communication, gives the serial result while
@@ -30,6 +31,7 @@ accumulation. With one micro-batch only the buckets in flight are full-size.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -41,7 +43,8 @@ from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
-from .grads import _all_reduce_coalesced, clip_coefficient, counts_for_norm, global_norm
+from .grads import (_all_reduce_coalesced, clip_coefficient, counts_for_norm, global_norm, nonfinite_probe,
+                    sum_squares_fp64)
 from .scaler import DynamicLossScaler
 
 # ZeRO 2: at most this many reduce-scatters in flight; launching another first waits for the oldest,
@@ -69,6 +72,7 @@ class DistributedOptimizer:
                 grad_dtype=main_grads_dtype, shard_grads=zero == 2, device=pstate.device))
         self.states = [ShardedAdamState([buf.param_shard(b) for b in buf.buckets]) for buf in self.buffers]
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
+        self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets]
                            for buf in self.buffers]
         self.step_count = 0
@@ -105,21 +109,27 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
+        """Reduce, unscale, norm, clip and apply AdamW; or skip, agreed on every rank.
+
+        A step is skipped (weights, fp32 master weights, moments and step count untouched) when fp16
+        grads overflow (the scale halves) or, in any precision, when the global norm is not finite:
+        ``min(1, c / nan)`` is 1 and ``c / inf`` is 0, so clipping cannot save such a step.
+        """
         self.wait_param_gather()
         self._finish_grad_sync()
         self._sync_replicated_shards()
         grads = [[buf.grad_shard(b).float() for b in buf.buckets] for buf in self.buffers]  # fp32 [shard]
+        scale = None
         if self.scaler is not None:
+            at_floor = self.scaler.scale <= self.scaler.min_scale  # halving cannot help any more
             found_inf = self._unscale_and_check(grads, self.scaler.scale)
             self.scaler.update(found_inf)
+            scale = self.scaler.scale
             if found_inf:
-                return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=self.scaler.scale)
-        local_sq = torch.zeros((), dtype=torch.float32, device=self.pstate.device)
-        for runs_per_bucket, gs in zip(self.norm_runs, grads):
-            for runs, g in zip(runs_per_bucket, gs):
-                for lo, hi in runs:
-                    local_sq += torch.dot(g[lo:hi], g[lo:hi])  # no temporary the size of the grads
-        norm = global_norm(local_sq, self.pstate, sharded_over_dp=self.zero >= 1)
+                return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale, nonfinite=at_floor)
+        norm = self._global_norm(grads)
+        if not math.isfinite(norm):
+            return StepResult(grad_norm=norm, skipped=True, loss_scale=scale, nonfinite=True)
         coef = clip_coefficient(norm, self.cfg.clip_grad)
         self.step_count += 1
         hyper = AdamHyper(lr=lr, weight_decay=self.cfg.weight_decay, beta1=self.cfg.adam_beta1,
@@ -132,7 +142,16 @@ class DistributedOptimizer:
                 if state.separate_master:
                     buf.param_shard(b).copy_(master)
         self._gather_params()
-        return StepResult(grad_norm=norm, loss_scale=None if self.scaler is None else self.scaler.scale)
+        return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
+        """The global grad norm, summed in fp64; non-finite on every rank when any grad is."""
+        local_sq = torch.zeros((), dtype=torch.float64, device=self.pstate.device)
+        for norm_runs, probe_runs, gs in zip(self.norm_runs, self.probe_runs, grads):
+            for runs, probe, g in zip(norm_runs, probe_runs, gs):
+                sum_squares_fp64(g, runs, local_sq)
+                nonfinite_probe(g, probe, local_sq)
+        return global_norm(local_sq, self.pstate, sharded_over_dp=self.zero >= 1)
 
     def wait_param_gather(self) -> None:
         """Block until every updated parameter has arrived (before reading weights outside forward)."""
@@ -299,9 +318,9 @@ class DistributedOptimizer:
         return hook
 
 
-def _norm_runs(b: Bucket, pstate: ParallelState) -> list[tuple[int, int]]:
-    """Shard ranges [lo, hi) whose grads enter the global norm, adjacent segments merged."""
-    return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, pstate))
+def _norm_runs(b: Bucket, pstate: ParallelState, counted: bool = True) -> list[tuple[int, int]]:
+    """Shard ranges [lo, hi) whose grads enter the global norm (or, ``counted=False``, do not)."""
+    return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, pstate) == counted)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -24,8 +24,8 @@ PRECISIONS = {  # name: (training flags, bytes/param for zero 0, 1, 2 at dp = 4)
     "fp32": ({}, (16, 8 + 8 / DP, 4 + 12 / DP)),
 }
 GRAD_BYTES = {"bf16+bf16grads": 2, "bf16+fp32grads": 4, "fp32": 4}
-# the trainer's loss all-reduce over dp (4 bytes) and, sharded, the grad-norm all-reduce (4 bytes)
-SCALAR_ALL_REDUCE = 2 * (DP - 1) / DP * 4
+# the trainer's loss all-reduce over dp (fp32, 4 bytes) and, sharded, the grad-norm all-reduce (fp64, 8 bytes)
+LOSS_ALL_REDUCE, NORM_ALL_REDUCE = 2 * (DP - 1) / DP * 4, 2 * (DP - 1) / DP * 8
 
 
 def measure(pstate) -> dict:
@@ -74,10 +74,10 @@ def test_memory_and_communication():
         n = results[0]["memory"]["fp32", 0]["num_parameters"]
         ideal = 2 * (DP - 1) / DP * 4 * n  # fp32 gradients
         comm = res["comm"]
-        zero0 = comm[0, 2]["all_reduce/dp"] - SCALAR_ALL_REDUCE
+        zero0 = comm[0, 2]["all_reduce/dp"] - LOSS_ALL_REDUCE
         for key in ((1, 2), (2, 2), (2, 1)):
             sharded = comm[key]["reduce_scatter/dp"] + comm[key]["all_gather/dp"]
-            if comm[key]["all_reduce/dp"] != 2 * SCALAR_ALL_REDUCE:
+            if comm[key]["all_reduce/dp"] != LOSS_ALL_REDUCE + NORM_ALL_REDUCE:
                 problems.append(f"rank {rank} zero/mbs {key}: unexpected dp all-reduce {comm[key]}")
             if abs(sharded - zero0) > 0.01 * zero0:
                 problems.append(f"rank {rank} zero/mbs {key}: sends {sharded} B over dp, zero 0 sends {zero0} B")

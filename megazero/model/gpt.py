@@ -10,10 +10,7 @@ equal to the first stage's by summing their gradients over the embedding group.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -21,7 +18,8 @@ from ..tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_t
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
                                       set_spec, spec_of)
-from .transformer import TPContext, TransformerBlock, make_norm
+from ..tensor_parallel.random import EMBEDDING
+from .transformer import TPContext, TransformerBlock, hidden_dropout, make_norm
 
 
 class Embedding(nn.Module):
@@ -44,8 +42,7 @@ class Embedding(nn.Module):
         if self.ctx.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.ctx.group)
         if self.training and self.cfg.hidden_dropout > 0:
-            with self.ctx.fork_rng() if self.ctx.sequence_parallel else contextlib.nullcontext():
-                x = F.dropout(x, self.cfg.hidden_dropout)
+            x = hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, EMBEDDING)  # its own streams
         return x
 
 
@@ -67,7 +64,7 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, ctx, self.padded_vocab, with_positions=pre_process and cfg.arch == "gpt2")
             if not pre_process:
                 self.embedding.word.weight.is_embedding_copy = True  # counted once, on the first stage
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, layer_id=i) for i in layer_ids})
         if post_process:
             self.final_norm = make_norm(cfg, ctx)
             if not tied:

@@ -11,13 +11,14 @@ Transformer Models"):
   backward. ``num_layers`` limits this to the first N blocks of each chunk
   (Megatron's "block" method), trading memory for compute.
 
-Recompute must draw the same dropout masks as the original forward. The
-default torch generator is rewound by ``torch.utils.checkpoint`` itself
-(``preserve_rng_state``). The per-TP-rank stream (``TensorParallelRNG``)
-lives outside torch, so ``checkpoint_with_tp_rng`` rewinds it to the state it
-had when the region first ran, and afterwards restores the state the rest of
-training has reached meanwhile (other layers and micro-batches have drawn
-from it since).
+Recompute must draw the same dropout masks as the original forward. A
+block draws from its own layer's streams (``DropoutRNG``: a shared and a
+per-TP-rank one), which live outside torch, so ``checkpoint_with_rng``
+rewinds them to the states they had when the region first ran, and
+afterwards restores the states training has reached meanwhile (later
+micro-batches of the same layer have drawn from them since). Without streams
+(``ctx.rng`` None) dropout uses the default generator, which
+``torch.utils.checkpoint`` rewinds itself (``preserve_rng_state``).
 """
 from __future__ import annotations
 
@@ -28,28 +29,28 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..tensor_parallel.random import TensorParallelRNG
+from ..tensor_parallel.random import DropoutRNG
 
 MODES = ("none", "selective", "full")
 
 
-def checkpoint_with_tp_rng(fn: Callable[..., Any], rng: TensorParallelRNG | None, *args: Any) -> Any:
-    """Non-reentrant ``checkpoint(fn, *args)`` whose recompute replays the TP stream exactly."""
+def checkpoint_with_rng(fn: Callable[..., Any], rng: DropoutRNG | None, streams: list[str], *args: Any) -> Any:
+    """Non-reentrant ``checkpoint(fn, *args)`` whose recompute replays the dropout ``streams`` exactly."""
     if rng is None:
         return checkpoint(fn, *args, use_reentrant=False)
-    start = rng.get_state()
+    start = rng.snapshot(streams)
     calls = [0]
 
     def run(*inner: Any) -> Any:
         calls[0] += 1
-        if calls[0] == 1:  # the original forward: draw from the live stream
+        if calls[0] == 1:  # the original forward: draw from the live streams
             return fn(*inner)
-        resume = rng.get_state()  # recompute, in backward: rewind, replay, then put the live state back
-        rng.set_state(start)
+        resume = rng.snapshot(streams)  # recompute, in backward: rewind, replay, then put the live states back
+        rng.restore(start)
         try:
             return fn(*inner)
         finally:
-            rng.set_state(resume)
+            rng.restore(resume)
 
     return checkpoint(run, *args, use_reentrant=False)
 
@@ -59,7 +60,8 @@ def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tens
     plain = type(block).forward
     if not torch.is_grad_enabled():
         return plain(block, x)
-    return checkpoint_with_tp_rng(lambda inp: plain(block, inp), block.ctx.rng, x)
+    streams = block.ctx.dropout_streams(block.layer_id)
+    return checkpoint_with_rng(lambda inp: plain(block, inp), block.ctx.rng, streams, x)
 
 
 def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
@@ -68,7 +70,8 @@ def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch
     plain = type(attention).core_attention
     if not torch.is_grad_enabled():
         return plain(attention, q, k, v)
-    return checkpoint_with_tp_rng(lambda *t: plain(attention, *t), attention.ctx.rng, q, k, v)
+    streams = attention.ctx.dropout_streams(attention.layer_id)
+    return checkpoint_with_rng(lambda *t: plain(attention, *t), attention.ctx.rng, streams, q, k, v)
 
 
 def _reset(block: nn.Module) -> None:
@@ -79,8 +82,8 @@ def _reset(block: nn.Module) -> None:
 def apply_recompute(model: nn.Module, mode: str, num_layers: int | None = None) -> nn.Module:
     """Set the recompute mode on every block of ``model`` (a ``GPTModel`` chunk); returns it.
 
-    selective: every block's attention core is checkpointed through the TP-RNG-safe
-    wrapper, which replays the per-TP-rank dropout stream. full: the first ``num_layers`` blocks of the
+    selective: every block's attention core is checkpointed through the RNG-safe
+    wrapper, which replays the layer's dropout streams. full: the first ``num_layers`` blocks of the
     chunk (all when None) are checkpointed whole. Calling it again replaces the mode.
     """
     if mode not in MODES:

@@ -12,6 +12,7 @@ and the full (TP=1) layout does not depend on the TP size.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
-from ..tensor_parallel.random import TensorParallelRNG
+from ..tensor_parallel.random import DropoutRNG, stream_name
 
 
 @dataclass
@@ -31,14 +32,27 @@ class TPContext:
 
     group: object = None  # the TP process group; None for TP=1
     sequence_parallel: bool = False
-    rng: TensorParallelRNG | None = None
+    rng: DropoutRNG | None = None  # None: dropout draws from the default generator
 
     @property
     def size(self) -> int:
         return group_size(self.group)
 
-    def fork_rng(self):
-        return self.rng.fork() if self.rng is not None else contextlib.nullcontext()
+    def dropout_streams(self, layer: int | str) -> list[str]:
+        """Every stream ``layer`` draws from (what recompute must rewind)."""
+        return [stream_name(layer, tensor_parallel=False), stream_name(layer, tensor_parallel=True)]
+
+    def fork_rng(self, layer: int | str, tensor_parallel: bool) -> contextlib.AbstractContextManager:
+        """Draw from ``layer``'s shared stream, or its per-TP-rank one inside a TP region."""
+        if self.rng is None:
+            return contextlib.nullcontext()
+        return self.rng.fork(stream_name(layer, tensor_parallel))
+
+
+def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, layer: int | str) -> torch.Tensor:
+    """Dropout on block/embedding outputs: SP shards differ across TP ranks, replicated activations match."""
+    with ctx.fork_rng(layer, tensor_parallel=ctx.sequence_parallel):
+        return F.dropout(x, p)
 
 
 def make_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
@@ -52,9 +66,29 @@ def make_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
     return norm
 
 
-def rotary_cos_sin(seq_len: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
+    """RoPE inverse frequencies [d/2], with Llama-3 scaling when ``cfg.rope_scaling_type`` is llama3.
+
+    Llama-3 scaling stretches the context by keeping short wavelengths (they resolve nearby tokens),
+    dividing long ones by ``factor`` (they are what stops generalising past the original length),
+    and blending linearly, in 1/wavelength, between the two cut-offs.
+    """
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    if cfg.rope_scaling_type is None:
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
+    original = cfg.rope_scaling_original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    blend = (original / wavelen - low) / (high - low)  # 0 at the long cut-off, 1 at the short one
+    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
+    long_scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
+    return torch.where(wavelen < original / high, inv_freq, long_scaled)
+
+
+def rotary_cos_sin(seq_len: int, cfg: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [s, d] for rotate-half RoPE (the layout HF Llama uses)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    inv_freq = rotary_inv_freq(cfg, device)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -67,9 +101,9 @@ def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, layer_id: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.layer_id = cfg, ctx, layer_id
         self.heads_per_group = cfg.num_attention_heads // cfg.query_groups
         qkv_features = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         bias = cfg.arch == "gpt2"
@@ -80,9 +114,9 @@ class Attention(nn.Module):
                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
 
     def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the per-TP-rank stream (heads are split)."""
+        """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the layer's per-TP-rank stream (heads are split)."""
         dropout = self.cfg.attention_dropout if self.training else 0.0
-        with self.ctx.fork_rng():
+        with self.ctx.fork_rng(self.layer_id, tensor_parallel=True):
             return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=self.heads_per_group > 1)
 
@@ -92,7 +126,7 @@ class Attention(nn.Module):
         q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
         k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
         if self.cfg.arch == "llama":
-            cos, sin = rotary_cos_sin(q_bnsd.shape[2], self.cfg.head_dim, self.cfg.rotary_base, x.device)
+            cos, sin = rotary_cos_sin(q_bnsd.shape[2], self.cfg, x.device)
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
         out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
@@ -121,23 +155,23 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext) -> None:
+    ``layer_id`` is the global layer index: it names the dropout streams the block draws from.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, layer_id: int = 0) -> None:
         super().__init__()
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.layer_id = cfg, ctx, layer_id
         self.norm1 = make_norm(cfg, ctx)
-        self.attention = Attention(cfg, ctx)
+        self.attention = Attention(cfg, ctx, layer_id)
         self.norm2 = make_norm(cfg, ctx)
         self.mlp = MLP(cfg, ctx)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.cfg.hidden_dropout == 0.0:
             return x
-        # Sequence-parallel shards differ across TP ranks; replicated activations must match.
-        rng = self.ctx.fork_rng() if self.ctx.sequence_parallel else contextlib.nullcontext()
-        with rng:
-            return F.dropout(x, self.cfg.hidden_dropout)
+        return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, self.layer_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._dropout(self.attention(self.norm1(x)))

@@ -21,7 +21,7 @@ from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import initialize_parameters
-from ..tensor_parallel.random import TensorParallelRNG
+from ..tensor_parallel.random import DropoutRNG
 
 
 def chunk_layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[list[range]]:
@@ -42,7 +42,7 @@ def build_chunks(cfg: Config, pstate: ParallelState, vp: int = 1) -> list[nn.Mod
     last stage's copy is ``is_embedding_copy`` (GPTModel marks it), the first
     stage's original ``is_tied_embedding``.
     """
-    rng = TensorParallelRNG(cfg.training.seed, pstate.tp_rank, pstate.device)
+    rng = DropoutRNG(cfg.training.seed, pstate.tp_rank, pstate.device)  # streams per global layer
     ctx = TPContext(group=pstate.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp_size, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []

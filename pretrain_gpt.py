@@ -2,8 +2,9 @@
 
 Parses flags (and the YAML preset they name), then hands the validated config
 to megazero.training. Bad input exits with status 2 and one line naming the
-flag and the fix, on every rank, before any collective (set MEGAZERO_DEBUG=1
-for the traceback).
+flag and the fix, on every rank, before any collective; a file-system error
+(OSError) or a lost peer rank exits with status 1 and one line (set
+MEGAZERO_DEBUG=1 for the traceback).
 """
 from __future__ import annotations
 
@@ -24,6 +25,11 @@ DRY_RUN_FLAGS = [
 ]
 
 
+def _lost_peer(err: RuntimeError) -> bool:
+    """A collective failed because another rank died or timed out (gloo raises a plain RuntimeError)."""
+    return isinstance(err, dist.DistError) or "/gloo/" in str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, ns = parse_config(argv, extra=DRY_RUN_FLAGS)
@@ -39,6 +45,20 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
         return 2
+    except OSError as err:  # disk full, permissions, a path under a file: the path and the OS reason
+        if os.environ.get("MEGAZERO_DEBUG"):
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"pretrain_gpt.py: error: {where}{err.strerror or err} (errno {err.errno}); fix the path or free "
+              "space, or set MEGAZERO_DEBUG=1 for the traceback.", file=sys.stderr, flush=True)
+        return 1
+    except RuntimeError as err:  # a peer died or hung past --distributed-timeout-minutes
+        if os.environ.get("MEGAZERO_DEBUG") or not _lost_peer(err):
+            raise
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("] ", 1)[-1][:300]
+        print(f"pretrain_gpt.py: error: a collective failed, a peer rank died or was stuck longer than "
+              f"--distributed-timeout-minutes ({first}).", file=sys.stderr, flush=True)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

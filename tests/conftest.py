@@ -7,3 +7,16 @@ if ROOT not in sys.path:
 # Ranks started by the forkserver import test modules by name; they need the repo on their path.
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` need a GPU; on a CPU-only machine they are skipped with that reason."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

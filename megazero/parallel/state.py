@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,12 @@ class ParallelState:
         return cls(layout=Layout(1, 1, 1), rank=0, coords=Coords(0, 0, 0), device=torch.device(device))
 
     @classmethod
-    def build(cls, layout: Layout, device: str | torch.device) -> "ParallelState":
-        """Create every group of the grid. All ranks call ``new_group`` for all groups, in one order."""
+    def build(cls, layout: Layout, device: str | torch.device,
+              timeout: timedelta | None = None) -> "ParallelState":
+        """Create every group of the grid. All ranks call ``new_group`` for all groups, in one order.
+
+        ``timeout`` bounds every collective on these groups (new groups do not inherit the world's).
+        """
         assert dist.is_initialized(), "init_distributed() first"
         assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
         rank = dist.get_rank()
@@ -57,7 +62,7 @@ class ParallelState:
             for ranks in groups:
                 if len(ranks) == 1:
                     continue  # trivial axis: never a collective, never a group
-                handle = dist.new_group(ranks)
+                handle = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[name] = handle
         for name, handle in mine.items():
@@ -117,8 +122,12 @@ def default_device(choice: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device) -> None:
-    """Join the world torchrun described in the environment (a world of 1 without torchrun)."""
+def init_distributed(device: torch.device, timeout: timedelta | None = None) -> None:
+    """Join the world torchrun described in the environment (a world of 1 without torchrun).
+
+    ``timeout`` (``--distributed-timeout-minutes``) is how long a collective waits for a dead or stuck
+    peer before raising, so one lost rank ends the job instead of hanging it (gloo and NCCL alike).
+    """
     if dist.is_initialized():
         return
     os.environ.setdefault("RANK", "0")
@@ -129,7 +138,7 @@ def init_distributed(device: torch.device) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
 
 
 def _free_port() -> int:

@@ -220,5 +220,5 @@ def build_schedule(cfg: Config, pstate: ParallelState):
     """The run's schedule from its config, recording a timeline for ``--timeline`` (written to a file)
     or ``--log-timers`` with a pipeline (the bubble fraction in the log line)."""
     wanted = cfg.logging.timeline or (cfg.logging.log_timers and pstate.pp_size > 1)
-    timeline = Timeline(pstate.rank, pstate.pp_rank) if wanted else None
+    timeline = Timeline(pstate.rank, pstate.pp_rank, cuda=pstate.device.type == "cuda") if wanted else None
     return get_schedule(cfg.parallel.schedule_name(cfg.model.num_layers), pstate, timeline)

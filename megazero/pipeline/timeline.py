@@ -2,7 +2,11 @@
 
 Spans use ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, shared by all
 processes of one host), so the traces of one node's ranks line up when
-merged. The bubble of a step is the time a rank spends not computing inside
+merged. On CUDA the host only enqueues kernels, so a host-timed span would
+measure the launch, not the work: there each span is a pair of CUDA events,
+placed on the host clock by an anchor event recorded right after a device
+synchronize at the start of the step (two synchronizes per step, only while
+a timeline is recorded). The bubble of a step is the time a rank spends not computing inside
 the step's window. Narayanan et al. (2021) state it relative to the ideal
 (busy) time: (p-1)/m for 1F1B, (p-1)/(v*m) for interleaving with v chunks;
 ``bubble_ratio`` is that quantity, ``bubble_fraction`` the share of the window.
@@ -14,7 +18,9 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
+
+import torch
 
 
 @dataclass
@@ -37,17 +43,49 @@ class Timeline:
     current: list[Span] = field(default_factory=list)
     step_start: float = 0.0
     last: tuple[float, float, list[Span]] | None = None
+    cuda: bool | None = None  # time with CUDA events; None = when CUDA is in use in this process
+    _events: list[tuple[str, int, int, Any, Any]] = field(default_factory=list)
+    _anchor: Any = None
+
+    def _on_cuda(self) -> bool:
+        if self.cuda is None:
+            self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return self.cuda
+
+    def _event(self) -> "torch.cuda.Event":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def begin_step(self) -> None:
-        self.current, self.step_start = [], time.perf_counter()
+        self.current, self._events = [], []
+        if self._on_cuda():
+            torch.cuda.synchronize()  # the device is idle, so the anchor runs at step_start
+        self.step_start = time.perf_counter()
+        if self.cuda:
+            self._anchor = self._event()
 
     def end_step(self) -> None:
-        self.last = (self.step_start, time.perf_counter(), self.current)
+        end = time.perf_counter()
+        if self.cuda:
+            last = self._event()
+            last.synchronize()
+            at = lambda e: self.step_start + self._anchor.elapsed_time(e) / 1000  # noqa: E731
+            self.current = [Span(k, mb, c, at(s), at(e)) for k, mb, c, s, e in self._events]
+            end = at(last)
+        self.last = (self.step_start, end, self.current)
         if len(self.steps) < self.max_steps:
             self.steps.append(self.last)
 
     @contextlib.contextmanager
     def span(self, kind: str, micro_batch: int, chunk: int) -> Iterator[None]:
+        if self.cuda:
+            start_event = self._event()
+            try:
+                yield
+            finally:
+                self._events.append((kind, micro_batch, chunk, start_event, self._event()))
+            return
         start = time.perf_counter()
         try:
             yield

@@ -1,37 +1,48 @@
-"""The allocator tuning removes the page faults of re-allocating a step's tensors every step."""
+"""The allocator tuning keeps a freed block mapped, so the next step reuses its pages.
+
+What this checks is the mechanism, which does not depend on machine load: under glibc's
+defaults a 16 MiB block is served by ``mmap`` and handed back to the kernel when freed (the
+resident set falls again); with ``keep_freed_host_memory()`` it comes from the heap and stays
+resident after ``free``. What that saves per step (page faults, time) is measured in
+``bench/bench_host_memory.py``, not asserted here.
+"""
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
+
+from megazero.training.host_memory import keep_freed_host_memory
+
 SCRIPT = """
-import resource, sys, torch
+import sys, torch
 if sys.argv[1] == "tuned":
     from megazero.training.host_memory import keep_freed_host_memory
     assert keep_freed_host_memory()
-from megazero.config import ModelConfig
-from megazero.model.gpt import GPTModel
-from megazero.model.transformer import TPContext
-torch.manual_seed(0)
-model = GPTModel(ModelConfig(arch="gpt2", num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
-                             vocab_size=4096), TPContext())
-tokens = torch.randint(0, 4096, (4, 129))
-def step():
-    model(tokens[:, :-1], tokens[:, 1:]).backward()
-step(); step()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(10):
-    step()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+before = rss()
+block = torch.empty(4 << 20).fill_(1.0)  # 16 MiB, every page touched
+during = rss()
+del block
+print(before, during, rss())
 """
+MIB = 1 << 20
 
 
-def faults(mode: str) -> int:
+def resident(mode: str) -> tuple[int, int, int]:
     out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    before, during, after = map(int, out.stdout.split())
+    return before, during, after
 
 
-def test_a_training_step_reuses_freed_memory():
-    default, tuned = faults("default"), faults("tuned")
-    assert default > 5000, f"glibc's defaults should fault pages back in every step ({default} over 10)"
-    assert tuned < default, f"with the tuning fewer pages are faulted back in ({tuned} vs {default} faults)"
+@pytest.mark.skipif(not keep_freed_host_memory() or not sys.platform.startswith("linux"),
+                    reason="needs glibc's mallopt and /proc (Linux)")
+def test_freed_blocks_stay_mapped_only_with_the_tuning():
+    before, during, after = resident("default")
+    assert during - before >= 15 * MIB, "the probe block should be resident while alive"
+    assert after - before < 4 * MIB, "glibc's defaults unmap a freed 16 MiB block"
+    before, during, after = resident("tuned")
+    assert after - before >= 15 * MIB, "with the tuning the freed block stays mapped for reuse"

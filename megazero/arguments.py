@@ -96,4 +96,5 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py
         config = Config.from_flat(settings)
     except TypeError as err:  # a YAML value of the wrong kind reaching a validator
         raise ConfigError(f"a setting has the wrong type ({err}); check --config and the flags.") from None
+    config.explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
     return config, ns

@@ -49,8 +49,12 @@ class ParallelConfig:
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
         "None or 1 = one chunk.")
+    distributed_timeout_minutes: float = opt(10.0, "Minutes a collective may wait for a peer before the run fails "
+                                             "(a dead or stuck rank then ends the job; fractions allowed).")
 
     def __post_init__(self) -> None:
+        _require(self.distributed_timeout_minutes > 0,
+                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
         _require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
         _require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
         _require(self.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {self.zero}.")
@@ -110,6 +114,17 @@ class ModelConfig:
     attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
     norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.")
     rotary_base: float = opt(10000.0, "RoPE base frequency (llama).")
+    rope_scaling_type: str | None = opt(None, "RoPE frequency scaling (llama): None = plain RoPE; llama3 = "
+                                        "Llama-3.1 scaling (HF rope_type 'llama3') set by the four flags below.",
+                                        choices=("llama3",))
+    rope_scaling_factor: float = opt(8.0, "llama3 RoPE scaling: low frequencies are divided by this (HF factor).")
+    rope_scaling_low_freq_factor: float = opt(1.0, "llama3 RoPE scaling: wavelengths above original length / this "
+                                              "are divided by the factor (HF low_freq_factor).")
+    rope_scaling_high_freq_factor: float = opt(4.0, "llama3 RoPE scaling: wavelengths below original length / this "
+                                               "are kept; between the two they are blended (HF high_freq_factor).")
+    rope_scaling_original_max_position_embeddings: int = opt(
+        8192, "llama3 RoPE scaling: context length the model was first trained at (HF "
+        "original_max_position_embeddings).")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "Separate output head; None = tied for gpt2, untied for llama.")
     init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).")
@@ -130,6 +145,27 @@ class ModelConfig:
         _require(self.position_table_size >= self.seq_length,
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
                  f"({self.seq_length}).")
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        """Scaling values must make sense, and never be given without a type that uses them."""
+        kind = self.rope_scaling_type
+        _require(kind in (None, "llama3"), f"--rope-scaling-type must be llama3 or omitted, got {kind!r}.")
+        _require(kind is None or self.arch == "llama",
+                 f"--rope-scaling-type {kind} needs --arch llama (gpt2 has no RoPE); drop the flag.")
+        values = (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
+                  self.rope_scaling_original_max_position_embeddings)
+        _require(kind is not None or values == (8.0, 1.0, 4.0, 8192),
+                 "--rope-scaling-factor/-low-freq-factor/-high-freq-factor/-original-max-position-embeddings "
+                 "only apply with --rope-scaling-type llama3; add it or drop them.")
+        _require(self.rope_scaling_factor >= 1.0,
+                 f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}.")
+        _require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
+                 f"--rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) must be > 0 and below "
+                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}).")
+        _require(self.rope_scaling_original_max_position_embeddings >= 1,
+                 f"--rope-scaling-original-max-position-embeddings must be >= 1, got "
+                 f"{self.rope_scaling_original_max_position_embeddings}.")
 
     @property
     def query_groups(self) -> int:
@@ -207,6 +243,9 @@ class TrainingConfig:
     initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.")
     min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.")
     loss_scale_window: int = opt(1000, "--fp16: double the loss scale after this many steps without overflow.")
+    max_skipped_steps: int = opt(10, "Stop the run after this many consecutive steps skipped for a non-finite "
+                                 "loss or grad norm (fp16 loss-scale halvings above --min-loss-scale "
+                                 "do not count); 0 = never stop.")
     eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.")
     eval_iters: int = opt(2, "Global batches per evaluation.")
     recompute: str = opt("none", "Activation recomputation: none; selective (re-run the attention core in "
@@ -228,6 +267,8 @@ class TrainingConfig:
         _require(self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale,
                  "--initial-loss-scale must be >= --min-loss-scale > 0.")
         _require(self.loss_scale_window >= 1, "--loss-scale-window must be >= 1.")
+        _require(self.max_skipped_steps >= 0,
+                 f"--max-skipped-steps must be >= 0 (0 = never stop), got {self.max_skipped_steps}.")
 
 
 @dataclass(kw_only=True)
@@ -285,6 +326,9 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+    """Settings the user gave (YAML preset or flag), not defaults: --load lets only these override the
+    checkpoint's model. Not a flag and not in ``to_flat()``."""
 
     @classmethod
     def from_flat(cls, settings: dict[str, Any]) -> "Config":

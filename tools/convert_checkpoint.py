@@ -20,14 +20,22 @@ from megazero.checkpoint.convert import hf_to_checkpoint, read_full_state, save_
 
 
 def _tokenizer_for(cfg, explicit: str | None) -> str | None:
+    """The run's sentencepiece model; a checkpoint made from HF (another vocabulary) ships none."""
+    from megazero.data.tokenizer import Tokenizer
+
     if explicit:
+        vocab = Tokenizer.load(explicit).vocab_size
+        if vocab > cfg.model.vocab_size:
+            raise ValueError(f"--tokenizer-model {explicit!r} has {vocab} tokens, more than the model's vocabulary "
+                             f"({cfg.model.vocab_size}); pass the tokenizer the model was trained with.")
         return explicit
     if cfg.data.tokenizer_model:
         return cfg.data.tokenizer_model
-    if cfg.data.data_path is None:  # trained on the default corpus: its tokenizer
+    if cfg.data.data_path is None:  # trained on the default corpus: its tokenizer, if the vocabulary is its own
         from megazero.data import default_corpus
 
-        return default_corpus(log=lambda *_: None).tokenizer_model
+        path = default_corpus(log=lambda *_: None).tokenizer_model
+        return path if Tokenizer.load(path).vocab_size == cfg.model.vocab_size else None
     return None
 
 

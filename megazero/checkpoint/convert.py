@@ -21,8 +21,9 @@ from ..model.transformer import TPContext
 from ..pipeline.partition import chunk_layer_ranges
 from ..tensor_parallel.layers import spec_of
 from . import storage
-from .hf import from_hf, hf_config, to_hf
+from .hf import from_hf, hf_config, model_config_from_hf, to_hf
 from .load import ShardReader
+from .save import non_finite
 from .slices import relative, tp_region
 
 State = dict[str, torch.Tensor]
@@ -75,6 +76,9 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
     if set(specs) != set(state):
         missing, extra = sorted(set(specs) - set(state)), sorted(set(state) - set(specs))
         raise ValueError(f"state does not fit a {cfg.model.arch} model: missing {missing[:3]}, unexpected {extra[:3]}")
+    bad = non_finite(state)
+    if bad:
+        raise ValueError(f"the weights hold NaN/inf in {bad[:3]}; no checkpoint is written - convert a finite model.")
     padded = cfg.model.padded_vocab_size(tp)
     os.makedirs(root, exist_ok=True)
     staging = storage.staging_dir(root, iteration, f"{int(time.time() * 1000)}")
@@ -97,7 +101,7 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
     layout = {"tp": tp, "pp": pp, "dp": 1, "zero": cfg.parallel.zero,
               "virtual_stages": vp}
     meta = storage.metadata_dict(config=cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
-                                 model=index, optimizer_scalars={}, optimizer_files={})
+                                 model=index, optimizer_scalars={}, optimizer_files={}, rng_files=False)
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
     return storage.publish(root, staging, iteration, keep_last=None)
 
@@ -149,35 +153,13 @@ def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str |
         shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
 
 
-def model_config_from_hf(config: dict[str, Any]) -> ModelConfig:
-    kind = config.get("model_type")
-    if kind == "gpt2":
-        return ModelConfig(arch="gpt2", num_layers=config["n_layer"], hidden_size=config["n_embd"],
-                           num_attention_heads=config["n_head"], ffn_hidden_size=config.get("n_inner"),
-                           seq_length=config["n_positions"], max_position_embeddings=config["n_positions"],
-                           vocab_size=config["vocab_size"], norm_epsilon=config.get("layer_norm_epsilon", 1e-5))
-    if kind == "llama":
-        rope = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
-        cfg = ModelConfig(arch="llama", num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
-                          num_attention_heads=config["num_attention_heads"],
-                          num_query_groups=config.get("num_key_value_heads"),
-                          ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
-                          vocab_size=config["vocab_size"], norm_epsilon=config.get("rms_norm_eps", 1e-6),
-                          rotary_base=float(rope),
-                          untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False))
-        if config.get("head_dim", cfg.head_dim) != cfg.head_dim:
-            raise ValueError(f"HF head_dim {config['head_dim']} != hidden_size / num_attention_heads; unsupported.")
-        return cfg
-    raise ValueError(f"HF model_type {kind!r} is not supported; convert a gpt2 or llama model.")
-
-
 def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
     """An HF folder's model config and state dict (single or sharded safetensors)."""
     config_path = os.path.join(in_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--input {in_dir!r} has no config.json; pass a HF transformers model folder.")
     with open(config_path) as fh:
-        cfg = model_config_from_hf(json.load(fh))
+        cfg = model_config_from_hf(json.load(fh), source=config_path)
     index = os.path.join(in_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as fh:

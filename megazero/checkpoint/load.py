@@ -9,23 +9,27 @@ Nothing here unpickles: safetensors and JSON only.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..config import Config
+from ..config import Config, ConfigError, ModelConfig, flag
 from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import full_shape, spec_of
 from . import storage
 from .save import KINDS, named_parameters
 from .slices import Region, intersect, relative, tp_region
 
-# Settings that define the model's math: a checkpoint only loads into the same values.
-MODEL_KEYS = ("arch", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
-              "vocab_size", "untie_embeddings_and_output_weights", "max_position_embeddings")
-
+# ModelConfig fields that do not define the saved weights: free to differ from the checkpoint
+# (the vocabulary padding is refitted on load, like the layout).
+RUN_TIME_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"})
+# How a setting is compared: by what it resolves to, so None and an explicit equal value agree.
+RESOLVED = {"num_query_groups": "query_groups", "ffn_hidden_size": "ffn_size",
+            "untie_embeddings_and_output_weights": "tied_embeddings", "max_position_embeddings": "position_table_size"}
 
 class ShardReader:
     """Opens shard files on demand and reads tensor slices with clear errors."""
@@ -61,14 +65,56 @@ class ShardReader:
             raise ValueError(f"checkpoint shard {fname!r} is truncated ({err}); load an earlier checkpoint.") from None
 
 
-def check_compatible(meta: dict[str, Any], cfg: Config) -> None:
-    saved = meta["config"]
-    current = cfg.to_flat()
-    for key in MODEL_KEYS:
-        if saved.get(key) != current.get(key) and not (key == "vocab_size" and current.get(key) is None):
-            raise ValueError(f"checkpoint was saved with --{key.replace('_', '-')} {saved.get(key)} but this run "
-                             f"has {current.get(key)}; use the same model settings as the checkpoint.")
+def model_keys() -> list[str]:
+    """Every setting that defines the saved model (derived from ModelConfig, so new fields are covered)."""
+    return [f.name for f in fields(ModelConfig) if f.name not in RUN_TIME_KEYS | {"seq_length"}]
 
+
+def _meaning(values: dict[str, Any], key: str) -> Any:
+    """What a setting means for the model (e.g. ffn_hidden_size None -> the derived MLP width)."""
+    prop = RESOLVED.get(key)
+    return getattr(ModelConfig, prop).fget(SimpleNamespace(**values)) if prop else values[key]
+
+
+def _shown(value: Any, meaning: Any, key: str) -> str:
+    return f"{value}" if value == meaning else f"{value} (i.e. {RESOLVED[key]} {meaning})"
+
+
+def _model_values(flat: dict[str, Any]) -> dict[str, Any]:
+    defaults = {f.name: f.default for f in fields(ModelConfig)}
+    return {k: flat.get(k, default) for k, default in defaults.items()}  # an older checkpoint lacks newer fields
+
+
+def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
+    """The run's config with the model taken from the checkpoint unless given explicitly (as Megatron's
+    --use-checkpoint-args); an explicit setting that contradicts it is an error. Returns the new Config
+    and the settings the checkpoint changed. Layout and run-time settings stay the run's."""
+    saved, run = _model_values(meta["config"]), cfg.to_flat()
+    merged = {**run, **{k: saved[k] for k in model_keys() if k not in cfg.explicit}}
+    if "seq_length" not in cfg.explicit:
+        merged["seq_length"] = saved["seq_length"]
+    if saved["arch"] == "llama" and "max_position_embeddings" not in cfg.explicit:
+        merged["max_position_embeddings"] = run["max_position_embeddings"]  # no position table: not the model's
+    for key in [k for k in model_keys() if k in cfg.explicit]:  # field order: a cause before what it implies
+        if key == "max_position_embeddings" and saved["arch"] == "llama":
+            continue
+        if key == "vocab_size" and saved["vocab_size"] is None:
+            continue
+        want, have = _meaning(saved, key), _meaning(_model_values(merged), key)
+        if want != have:
+            raise ConfigError(f"{flag(key)} {_shown(merged[key], have, key)} contradicts the checkpoint's "
+                              f"{_shown(saved[key], want, key)}; drop the flag to use the checkpoint's model, "
+                              f"or load a checkpoint of this model.")
+    table = _meaning(saved, "max_position_embeddings")
+    if saved["arch"] == "gpt2" and merged["seq_length"] > table:
+        raise ConfigError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's learned position table "
+                          f"({table}); use --seq-length {table} or less.")
+    if saved["arch"] == "gpt2":
+        merged["max_position_embeddings"] = table
+    new = Config.from_flat(merged)
+    new.explicit = cfg.explicit
+    changed = [f"{flag(k)} {merged[k]}" for k in model_keys() + ["seq_length"] if merged[k] != run[k]]
+    return new, changed
 
 def _size(region: Region) -> list[int]:
     return [hi - lo for lo, hi in region]
@@ -141,11 +187,17 @@ def same_layout(meta: dict[str, Any], cfg: Config, pstate: ParallelState) -> boo
         cfg.parallel.virtual_size(cfg.model.num_layers))
 
 
+def has_rng(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint holds per-rank RNG files (a converted one does not: generators come from --seed)."""
+    return bool(meta.get("rng_files", meta["optimizer"]["files"]))  # older metadata: only converters left them out
+
+
 def load_rng(folder: str, pstate: ParallelState, tp_rng: Any) -> None:
     """Exact resume in the same layout: restore this rank's generators."""
     handle = ShardReader(folder)._open(storage.rng_file(pstate.rank))
     torch.set_rng_state(handle.get_tensor("cpu"))
     if pstate.device.type == "cuda" and "cuda" in handle.keys():
         torch.cuda.set_rng_state(handle.get_tensor("cuda"), pstate.device)
-    if tp_rng is not None and "tp" in handle.keys():
-        tp_rng.set_state(handle.get_tensor("tp"))
+    if tp_rng is not None:  # a DropoutRNG: every stream saved; unsaved ones were never drawn from
+        prefix = "dropout/"
+        tp_rng.load_state_dict({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)})

@@ -10,10 +10,15 @@
 - metadata.json (rank 0, last): config, layout, iteration, consumed samples,
   optimizer scalars, and an index of each tensor's full shape and the region
   or flat range each file holds - what resharding on load needs.
+
+No checkpoint holds a NaN or inf: each rank checks what it writes, the ranks
+vote in the all-gather that already ends the writing, and a bad vote removes
+the staging folder and raises on every rank (``latest`` is untouched).
 """
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from typing import Any
 
@@ -42,11 +47,12 @@ def named_parameters(chunks: list[nn.Module]) -> dict[str, nn.Parameter]:
 
 
 def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
+    """The default generators plus every dropout stream of ``tp_rng`` (a ``DropoutRNG``), as ``dropout/<name>``."""
     state = {"cpu": torch.get_rng_state()}
     if pstate.device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(pstate.device)
     if tp_rng is not None:
-        state["tp"] = tp_rng.get_state()
+        state.update({f"dropout/{name}": s for name, s in tp_rng.state_dict().items()})
     return state
 
 
@@ -61,8 +67,17 @@ def _model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[
     return index
 
 
+def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the tensors holding a NaN or inf (checked where they live; one copy to the host)."""
+    if not tensors:
+        return []
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).tolist()
+    return [name for name, ok in zip(tensors, finite) if not ok]
+
+
 def _write_optimizer(optimizer: Any, named: dict[str, nn.Parameter], staging: str,
-                     pstate: ParallelState) -> dict[str, Any]:
+                     pstate: ParallelState) -> tuple[dict[str, Any], list[str]]:
+    """Write this rank's master weights and moments; returns their index entry and any non-finite names."""
     names = {id(p): n for n, p in named.items()}
     tensors, ranges = {}, {}
     for param, param_lo, views in optimizer.state_segments():
@@ -70,10 +85,26 @@ def _write_optimizer(optimizer: Any, named: dict[str, nn.Parameter], staging: st
         n = views["exp_avg"].numel()
         ranges[name] = [param_lo, param_lo + n]
         for kind in KINDS:
-            tensors[f"{name}/{kind}"] = views[kind].detach().float().contiguous().cpu()
+            tensors[f"{name}/{kind}"] = views[kind].detach()
+    bad = non_finite(tensors)
     fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
-    save_file(tensors, os.path.join(staging, fname))
-    return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
+    save_file({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
+    return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}, bad
+
+
+def _refuse_non_finite(pieces: list[dict], staging: str, iteration: int, pstate: ParallelState) -> None:
+    """No checkpoint holds NaN/inf: if any rank wrote one, every rank raises and nothing is published."""
+    bad = [f"{name} (rank {rank})" for rank, piece in enumerate(pieces) for name in piece["non_finite"]]
+    if not bad:
+        return
+    if pstate.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()  # the staging folder is gone before any rank exits
+    more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+    raise ValueError(f"checkpoint of iteration {iteration} not saved: non-finite values in {', '.join(bad[:3])}"
+                     f"{more}; the run diverged - 'latest' still names the last good checkpoint, resume from it "
+                     f"(e.g. with a lower --lr).")
 
 
 def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, pstate: ParallelState,
@@ -85,20 +116,24 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
         dist.broadcast_object_list(stamp, src=0)
     staging = storage.staging_dir(root, iteration, stamp[0])
     os.makedirs(staging, exist_ok=True)
-    named = named_parameters(chunks)
+    named, bad = named_parameters(chunks), []
     if pstate.dp_rank == 0:
+        bad = non_finite({n: p.detach() for n, p in named.items()})
         save_file({n: p.detach().contiguous().cpu() for n, p in named.items()},
                   os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
     optim_info = None
     if pstate.dp_rank == 0 or optimizer.shards_state_over_dp:
-        optim_info = _write_optimizer(optimizer, named, staging, pstate)
+        optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
+        bad += optim_bad
     save_file(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
     pieces = [None] * pstate.layout.world_size
-    mine = {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info}
+    mine = {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info,
+            "non_finite": bad}
     if dist.is_initialized():
-        dist.all_gather_object(pieces, mine)  # also the barrier: every rank's files are written
+        dist.all_gather_object(pieces, mine)  # also the barrier and the finiteness vote: all files are written
     else:
         pieces = [mine]
+    _refuse_non_finite(pieces, staging, iteration, pstate)
     final = os.path.join(root, storage.iteration_dir(iteration))
     if pstate.rank == 0:
         meta = _metadata(cfg, pstate, iteration, consumed_samples, optimizer, pieces)
@@ -123,4 +158,4 @@ def _metadata(cfg: Config, pstate: ParallelState, iteration: int, consumed_sampl
         config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
         layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": cfg.parallel.zero,
                 "virtual_stages": cfg.parallel.virtual_size(cfg.model.num_layers)},
-        optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files)
+        optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files, rng_files=True)

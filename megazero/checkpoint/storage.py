@@ -10,7 +10,9 @@ Every rank writes its files into ``iter_N.tmp-<stamp>/``; after a barrier rank 0
 writes metadata.json there, renames the folder to ``iter_N`` and then
 replaces ``latest``. A crash at any moment leaves ``latest`` naming the
 previous complete checkpoint; half-written folders keep their ``.tmp`` name
-and are ignored (and cleaned up by the next save).
+and are ignored (and cleaned up by the next save). Re-saving an iteration
+renames the old copy to ``iter_N.old-<stamp>`` first and deletes it only once
+the new one is in place; until then ``resolve`` falls back to it.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ FORMAT = "megazero-checkpoint"
 VERSION = 1
 METADATA = "metadata.json"
 LATEST = "latest"
+ASIDE = ".old-"  # iter_N.old-<stamp>: the previous copy of iter_N while a re-save of N is published
 
 
 def iteration_dir(iteration: int) -> str:
@@ -67,8 +70,10 @@ def publish(root: str, staging: str, iteration: int, keep_last: int | None) -> s
     """Rank 0, after every rank's files are in ``staging``: rename into place, then point ``latest``."""
     final = os.path.join(root, iteration_dir(iteration))
     _fsync_dir(staging)
-    if os.path.exists(final):  # re-saving an iteration: move the old copy aside first
-        shutil.rmtree(final)
+    aside = None
+    if os.path.exists(final):  # re-saving an iteration: the old copy stays until the new one is in place
+        aside = final + ASIDE + staging.rsplit(".tmp-", 1)[1]
+        os.rename(final, aside)  # a crash from here on: resolve() falls back to the aside copy
     os.rename(staging, final)
     _fsync_dir(root)
     tmp = os.path.join(root, LATEST + ".tmp")
@@ -78,16 +83,25 @@ def publish(root: str, staging: str, iteration: int, keep_last: int | None) -> s
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
     _fsync_dir(root)
+    if aside is not None:
+        shutil.rmtree(aside)
     _clean(root, keep_last)
     return final
 
 
 def _clean(root: str, keep_last: int | None) -> None:
     """Drop abandoned staging folders and, with --keep-last K, all but the newest K checkpoints."""
-    names = os.listdir(root)
-    for name in names:
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
         if ".tmp-" in name:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
+        elif ASIDE in name:  # left by a crash mid-publish: restore it if it is the only copy, else drop it
+            base = path.split(ASIDE)[0]
+            if os.path.isfile(os.path.join(base, METADATA)):
+                shutil.rmtree(path, ignore_errors=True)
+            elif not os.path.exists(base):
+                os.rename(path, base)
+    names = os.listdir(root)
     if keep_last:
         done = sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
         for name in done[:-keep_last]:
@@ -103,6 +117,9 @@ def resolve(path: str) -> str:
         raise ValueError(f"--load {path!r} holds no checkpoint (no {LATEST} file and no {METADATA}); "
                          f"pass the --save folder of an earlier run.")
     folder = os.path.join(path, open(latest).read().strip())
+    if not os.path.isfile(os.path.join(folder, METADATA)):  # a crash while re-saving it: the old copy, aside
+        asides = sorted(n for n in os.listdir(path) if n.startswith(os.path.basename(folder) + ASIDE))
+        folder = os.path.join(path, asides[-1]) if asides else folder
     if not os.path.isfile(os.path.join(folder, METADATA)):
         raise ValueError(f"--load {path!r}: {LATEST} names {folder!r}, which has no {METADATA}; "
                          f"the checkpoint is incomplete - point --load at an earlier iter_* folder.")
@@ -124,8 +141,8 @@ def read_metadata(folder: str) -> dict[str, Any]:
 
 def metadata_dict(*, config: dict[str, Any], layout: dict[str, Any], iteration: int, consumed_samples: int,
                   model: dict[str, Any], optimizer_scalars: dict[str, Any],
-                  optimizer_files: dict[str, Any]) -> dict[str, Any]:
+                  optimizer_files: dict[str, Any], rng_files: bool) -> dict[str, Any]:
     """The one schema of metadata.json (written by save and by the converters)."""
     return {"format": FORMAT, "version": VERSION, "iteration": iteration, "consumed_samples": consumed_samples,
-            "config": config, "layout": layout, "model": model,
+            "config": config, "layout": layout, "model": model, "rng_files": rng_files,
             "optimizer": {"scalars": optimizer_scalars, "files": optimizer_files}}

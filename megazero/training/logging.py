@@ -54,6 +54,8 @@ def format_iteration(r: dict[str, Any]) -> str:
     ]
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
+    if r.get("skipped"):
+        parts.append("step skipped")  # this iteration's update was not applied (see StepResult)
     parts.append(f"skipped iterations {r.get('skipped_iterations', 0)}")
     parts.append(f"nan iterations {r.get('nan_iterations', 0)}")
     parts.append(f"tokens/s {r['tokens_per_sec']:.0f}")

@@ -6,6 +6,7 @@ input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from ..pipeline.schedules import build_schedule
 from ..tensor_parallel.random import seed_everything
 from .host_memory import keep_freed_host_memory
 from .logging import MetricsLog
+from .preflight import check_output_paths
 from .trainer import Trainer
 from .wandb_log import WandbLogger
 
@@ -67,17 +69,28 @@ def build_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState)
     return build_distributed_optimizer(cfg, chunks, pstate)
 
 
-def _data(cfg: Config, rank: int, say: Callable) -> DataBundle:
+def _data(cfg: Config, rank: int, say: Callable, found: tuple[str, dict[str, Any]] | None = None) -> DataBundle:
+    """The datasets, sized for this run; a resume needs consumed + remaining steps x the (maybe new) global batch."""
     t = cfg.training
+    train_samples = t.train_iters * t.global_batch_size
+    if found:  # consumed samples carry over when --global-batch-size changed (Megatron users ramp it this way)
+        done, consumed = int(found[1]["iteration"]), int(found[1]["consumed_samples"])
+        train_samples = consumed + max(0, t.train_iters - done) * t.global_batch_size
     data = build_data(data_path=cfg.data.data_path, tokenizer_model=cfg.data.tokenizer_model, split=cfg.data.split,
-                      seq_length=cfg.model.seq_length, train_samples=t.train_iters * t.global_batch_size,
-                      eval_samples=max(1, t.eval_iters) * t.global_batch_size, seed=t.seed,
-                      is_builder=rank == 0, barrier=dist.barrier, log=say)
+                      seq_length=cfg.model.seq_length, train_samples=max(1, train_samples),
+                      eval_samples=max(1, t.eval_iters) * t.global_batch_size if t.eval_interval else 0,
+                      seed=t.seed, is_builder=rank == 0, barrier=dist.barrier, log=say,
+                      vocab_size=cfg.model.vocab_size)
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.tokenizer.vocab_size
     elif cfg.model.vocab_size < data.tokenizer.vocab_size:
-        raise ValueError(f"--vocab-size ({cfg.model.vocab_size}) is smaller than the tokenizer's vocabulary "
-                         f"({data.tokenizer.vocab_size}); raise it or leave it unset.")
+        tokenizer = cfg.data.tokenizer_model or "the default corpus's tokenizer"
+        if "vocab_size" in cfg.explicit or not found:
+            raise ValueError(f"--vocab-size ({cfg.model.vocab_size}) is smaller than the vocabulary of "
+                             f"{tokenizer} ({data.tokenizer.vocab_size}); raise it or leave it unset.")
+        raise ValueError(f"the checkpoint's vocabulary ({cfg.model.vocab_size}, --load {cfg.checkpoint.load}) is "
+                         f"smaller than that of {tokenizer} ({data.tokenizer.vocab_size}); pass the "
+                         f"--tokenizer-model the checkpoint was trained with.")
     return data
 
 
@@ -85,7 +98,7 @@ def _resume(found, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], 
     """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
     folder, meta = found
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-    if ckpt_load.same_layout(meta, cfg, pstate):  # exact resume: this rank's generators too
+    if ckpt_load.same_layout(meta, cfg, pstate) and ckpt_load.has_rng(meta):  # exact resume: generators too
         ckpt_load.load_rng(folder, pstate, chunks[0].ctx.rng)
     return int(meta["iteration"]), int(meta["consumed_samples"])
 
@@ -114,20 +127,26 @@ def _wandb(cfg: Config, pstate: ParallelState) -> WandbLogger | None:
 
 def run(cfg: Config, log_fn=print) -> list[dict]:
     """Train with the world torchrun described; returns the logged records (the main entry point)."""
-    layout = validate(cfg, world_size_from_env())
     found = find_checkpoint(cfg)
+    taken: list[str] = []
+    if found:  # the model is the checkpoint's; explicit flags must agree with it (before any check uses it)
+        cfg, taken = ckpt_load.merge_config(found[1], cfg)
+    layout = validate(cfg, world_size_from_env())
     device = default_device(cfg.training.device)
     if device.type == "cpu":
         keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
-    init_distributed(device)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    init_distributed(device, timeout)
+    check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
     rank = dist.get_rank()
     say = log_fn if rank == 0 else (lambda *_: None)
     say(f"megazero: building process groups for {layout} on {device}")
-    pstate = ParallelState.build(layout, device)
+    pstate = ParallelState.build(layout, device, timeout)
     t = cfg.training
-    data = _data(cfg, rank, say)
+    data = _data(cfg, rank, say, found)
     if found:
-        ckpt_load.check_compatible(found[1], cfg)
+        say(f"megazero: model settings taken from the checkpoint's metadata"
+            f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")
     seed_everything(t.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, layout.tp) / 1e6:.2f}M "
         f"parameters), {layout}, zero {cfg.parallel.zero}, {cfg.check_batch(layout.dp)} micro-batches per step")

@@ -3,12 +3,16 @@
 Around the step it logs (console line, metrics file, wandb), evaluates on
 held-out batches every ``--eval-interval``, saves every ``--save-interval``,
 and on SIGTERM/SIGINT finishes the current step, saves and returns, so a
-preempted job leaves a checkpoint at the iteration it reached.
+preempted job leaves a checkpoint at the iteration it reached; a second
+signal ends the process at once, even inside a collective.
 """
 from __future__ import annotations
 
 import math
+import os
 import signal
+import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -26,20 +30,59 @@ from .logging import MetricsLog, format_eval, format_iteration, peak_memory_byte
 
 
 class StopSignal:
-    """Remembers SIGTERM/SIGINT instead of dying mid-step; all ranks then agree to stop."""
+    """First SIGTERM/SIGINT: finish the step, save, stop (all ranks agree). A second one: exit at once.
 
-    def __init__(self) -> None:
+    A Python handler runs only when the main thread is back in Python, which a rank blocked in a
+    C++ collective never is, so a second Ctrl-C would be swallowed too. The interpreter's C-level
+    handler also writes each signal's number to a wakeup fd; a small thread reads it, prints the
+    notice on the first signal and ends the process on the second, even mid-collective.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, rank: int = 0) -> None:
         self.received = False
-        self.previous = {}
+        self.rank = rank
+        self.previous: dict[int, Any] = {}
+        self._previous_fd = -1
+        self._write_fd: int | None = None
 
     def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        """Take over SIGTERM/SIGINT (main thread only) and start the watcher thread."""
+        for sig in self.SIGNALS:
             self.previous[sig] = signal.signal(sig, self._handle)
+        read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)  # the C handler must never block
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="megazero-stop-signal").start()
 
     def _handle(self, signum, frame) -> None:
         self.received = True
+        signal.signal(signum, signal.SIG_DFL)  # the next one of this signal kills at kernel level
+
+    def _watch(self, read_fd: int) -> None:
+        seen = 0
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while byte := pipe.read(1):
+                if byte[0] not in self.SIGNALS:
+                    continue
+                seen += 1
+                self.received = True
+                name = signal.Signals(byte[0]).name
+                if seen == 1:
+                    print(f"megazero: rank {self.rank}: {name} received: will save after this step; "
+                          "send it again to exit at once", file=sys.stderr, flush=True)
+                else:
+                    print(f"megazero: rank {self.rank}: second {name}: exiting now without saving",
+                          file=sys.stderr, flush=True)
+                    os._exit(128 + byte[0])
 
     def restore(self) -> None:
+        """Give the signals back; the watcher thread ends when its pipe closes."""
+        if self._write_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._write_fd)
+            self._write_fd = None
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous.clear()
@@ -61,7 +104,7 @@ class Trainer:
         self.eval_batches, self.save, self.wandb = eval_batches, save, wandb
         self.lr = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.iteration = start_iteration
-        self.skipped = self.nan_iterations = 0
+        self.skipped = self.nan_iterations = self.consecutive_skips = 0  # see _count
         t = cfg.training
         self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)
         self.peak_tflops = device_peak_tflops(pstate.device)
@@ -79,6 +122,33 @@ class Trainer:
         result = self.optimizer.step(lr)
         return reduce_loss(losses, self.pstate), result, lr
 
+    def _count(self, loss: float, result: Any) -> bool:
+        """Update the counters; True when this iteration was a NaN iteration.
+
+        ``skipped_iterations``: steps not applied, any reason (fp16 loss-scale search included).
+        ``nan_iterations``: the loss or grad norm was non-finite for a reason the fp16 loss scale
+        does not explain (``result.nonfinite``, or a non-finite loss). ``consecutive_skips``: NaN
+        iterations skipped in a row; an applied step resets it, a loss-scale search skip leaves it.
+        """
+        nonfinite = bool(getattr(result, "nonfinite", False)) or not math.isfinite(loss)
+        self.skipped += int(result.skipped)
+        self.nan_iterations += int(nonfinite)
+        if not result.skipped:
+            self.consecutive_skips = 0
+        elif nonfinite:
+            self.consecutive_skips += 1
+        return nonfinite
+
+    def _check_skips(self, loss: float, result: Any) -> None:
+        """Stop a diverged run (every rank agrees: the skip decision and the loss are agreed)."""
+        limit = self.cfg.training.max_skipped_steps
+        if limit and self.consecutive_skips >= limit:
+            raise ValueError(
+                f"training stopped at iteration {self.iteration}: {self.consecutive_skips} consecutive steps "
+                f"were skipped because the loss ({loss}) or the global grad norm ({result.grad_norm}) was not "
+                f"finite; lower --lr (now peak {self.cfg.optimizer.lr}) or check the data, or raise "
+                f"--max-skipped-steps (now {limit}; 0 = never stop).")
+
     def _record(self, loss: float, result: Any, lr: float, elapsed: float) -> dict[str, Any]:
         t = self.cfg.training
         tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
@@ -86,7 +156,7 @@ class Trainer:
         record = {
             "iteration": self.iteration, "train_iters": t.train_iters,
             "consumed_samples": self.batches.consumed_samples, "loss": loss, "lr": lr,
-            "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+            "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
             "skipped_iterations": self.skipped, "nan_iterations": self.nan_iterations,
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
             "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
@@ -115,7 +185,7 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         t, every = self.cfg.training, self.cfg.logging.log_interval
         records: list[dict[str, Any]] = []
-        stop = StopSignal()
+        stop = StopSignal(self.pstate.rank)
         if self.save is not None:
             stop.install()
         try:
@@ -125,15 +195,15 @@ class Trainer:
                 loss, result, lr = self.train_step()
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
-                self.skipped += int(result.skipped)
-                self.nan_iterations += int(not math.isfinite(loss) or not math.isfinite(result.grad_norm))
+                nonfinite = self._count(loss, result)
                 last = self.iteration == t.train_iters
-                if self.iteration % every == 0 or last:
+                if self.iteration % every == 0 or last or nonfinite:  # a NaN iteration is always shown
                     record = self._record(loss, result, lr, elapsed)
                     records.append(record)
                     self._emit(record, format_iteration(record))
                 else:
                     C.LEDGER.take()
+                self._check_skips(loss, result)
                 if self.eval_batches is not None and t.eval_interval and (
                         self.iteration % t.eval_interval == 0 or last):
                     records.append(self._evaluate())

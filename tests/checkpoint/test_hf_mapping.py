@@ -17,6 +17,13 @@ CONFIGS = {
                         vocab_size=300),
     "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                          seq_length=32, vocab_size=300),
+    # wavelengths 6.3, 63, 628, 6283 against cut-offs 16 and 64: kept, blended, divided, divided
+    "llama3_rope": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                               seq_length=32, vocab_size=300, rope_scaling_type="llama3", rope_scaling_factor=4.0,
+                               rope_scaling_original_max_position_embeddings=64,
+                               untie_embeddings_and_output_weights=False),
+    "gpt2_untied": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
+                               vocab_size=300, untie_embeddings_and_output_weights=True),
 }
 
 
@@ -38,7 +45,7 @@ def _hf_model(cfg: ModelConfig, state: dict) -> torch.nn.Module:
     return hf.eval()
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", list(CONFIGS))
 def test_hf_logits_match_and_round_trip(arch):
     cfg = CONFIGS[arch]
     model = _model(cfg)
@@ -55,3 +62,24 @@ def test_hf_logits_match_and_round_trip(arch):
         assert torch.equal(back[k], state[k]), k
     out = hf.generate(ids[:1, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 9)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_hf_config_round_trips(arch):
+    """megazero -> HF config -> megazero gives the same model settings (rope scaling and tying included)."""
+    from megazero.checkpoint.hf import model_config_from_hf
+
+    cfg = CONFIGS[arch]
+    back = model_config_from_hf(hf_config(cfg).to_dict())
+    keys = ("arch", "num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size", "vocab_size",
+            "norm_epsilon", "rotary_base", "tied_embeddings", "position_table_size", "rope_scaling_type",
+            "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+            "rope_scaling_original_max_position_embeddings")
+    assert {k: getattr(back, k) for k in keys} == {k: getattr(cfg, k) for k in keys}
+
+
+def test_gpt2_grouped_query_attention_is_refused():
+    cfg = ModelConfig(arch="gpt2", num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                      vocab_size=300)
+    with pytest.raises(ValueError, match="--num-query-groups 2"):
+        hf_config(cfg)

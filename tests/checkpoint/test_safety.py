@@ -19,7 +19,8 @@ def _load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     cfg, pstate, chunks, optimizer = build(arch, hidden)
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
-    ckpt_load.check_compatible(meta, cfg)
+    cfg.explicit = frozenset(cfg.to_flat())  # as if every setting were a flag: any mismatch is an error
+    ckpt_load.merge_config(meta, cfg)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
 

@@ -126,7 +126,14 @@ def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str |
             max_shard_bytes: int = 5 * 2**30) -> None:
     """config.json, model.safetensors (or model-0000i-of-0000n shards + index) and the tokenizer."""
     os.makedirs(out_dir, exist_ok=True)
-    hf_config(cfg).save_pretrained(out_dir)
+    special_ids = None
+    if tokenizer_model:  # the special ids of the tokenizer that ships with the model
+        from ..data.tokenizer import Tokenizer
+
+        tok = Tokenizer.load(tokenizer_model)
+        special_ids = {"bos_token_id": _special_id(tok.bos_id), "eos_token_id": _special_id(tok.eos_id),
+                       "pad_token_id": _special_id(tok.pad_id)}
+    hf_config(cfg, special_ids).save_pretrained(out_dir)
     hf_state = to_hf(state, cfg)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -151,6 +158,11 @@ def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str |
     if tokenizer_model:
         hf_tokenizer(tokenizer_model).save_pretrained(out_dir)
         shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
+
+
+def _special_id(token_id: int) -> int | None:
+    """sentencepiece says -1 for a special token it does not have; HF says None."""
+    return token_id if token_id >= 0 else None
 
 
 def load_hf(in_dir: str) -> tuple[ModelConfig, State]:

@@ -46,12 +46,17 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, dim=1).reshape(g * (per + 2) * d, *rest)
 
 
-def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config of the same model (dropouts and init std carried over, for fine-tuning)."""
+def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None) -> Any:
+    """The transformers config of the same model (dropouts and init std carried over, for fine-tuning).
+
+    ``special_ids`` (bos/eos/pad_token_id) come from the tokenizer shipped with the model; without one
+    they are None rather than transformers' GPT-2 defaults (50256), which may lie outside the vocabulary.
+    """
     import transformers
 
+    ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied_embeddings,
-                  initializer_range=cfg.init_method_std)
+                  initializer_range=cfg.init_method_std, **ids)
     if cfg.arch == "gpt2":
         if cfg.query_groups != cfg.num_attention_heads:
             raise ValueError(f"--num-query-groups {cfg.query_groups} (grouped-query attention) cannot be expressed "

@@ -27,6 +27,7 @@ from ..parallel.state import ParallelState
 from .evaluate import evaluate, reduce_loss
 from .flops import achieved_tflops, device_peak_tflops, flops_per_token
 from .logging import MetricsLog, format_eval, format_iteration, peak_memory_bytes
+from .step_record import StepRecorder
 
 
 class StopSignal:
@@ -108,6 +109,7 @@ class Trainer:
         t = cfg.training
         self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)
         self.peak_tflops = device_peak_tflops(pstate.device)
+        self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
         C.LEDGER.enabled = True  # bytes sent per collective kind and group, taken per step
         C.LEDGER.timing = cfg.logging.log_timers
 
@@ -196,6 +198,7 @@ class Trainer:
                 elapsed = time.perf_counter() - start
                 self.iteration += 1
                 nonfinite = self._count(loss, result)
+                self.step_record.record(self.iteration, loss, result.grad_norm)
                 last = self.iteration == t.train_iters
                 if self.iteration % every == 0 or last or nonfinite:  # a NaN iteration is always shown
                     record = self._record(loss, result, lr, elapsed)

@@ -179,7 +179,10 @@ def test_trained_with_rope_scaling_converts_to_hf(tmp_path):
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     assert _convert(["--input", str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--to", "hf"]).returncode == 0
     assert (tmp_path / "hf" / "tokenizer.json").exists()  # trained on the default corpus: its tokenizer ships
-    rope = json.loads((tmp_path / "hf" / "config.json").read_text())["rope_parameters"]
+    hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    shipped = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")  # special ids are the tokenizer's
+    assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"]) == (shipped.bos_token_id, shipped.eos_token_id)
+    rope = hf_cfg["rope_parameters"]
     assert rope == {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                     "original_max_position_embeddings": 32, "rope_theta": 10000.0}
     cfg, state = read_full_state(str(tmp_path / "ckpt"), tp=1)

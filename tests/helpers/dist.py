@@ -22,13 +22,14 @@ _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "einops", "megaze
 
 
 def _worker(fn: Callable, rank: int, world_size: int, tp: int, pp: int, init_file: str, out: str,
-            args: tuple) -> None:
+            args: tuple, test_id: str) -> None:
     import torch.distributed as dist
 
     from megazero.parallel.layout import Layout
     from megazero.parallel.state import ParallelState
 
     torch.set_num_threads(1)
+    os.environ["PYTEST_CURRENT_TEST"] = test_id  # the forkserver started under an earlier test
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         pstate = ParallelState.build(Layout.from_world(world_size, tp, pp), "cpu")
@@ -45,7 +46,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, tp: int = 1, pp: int = 1, t
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
-        procs = [_CONTEXT.Process(target=_worker, args=(fn, r, world_size, tp, pp, init_file, outs[r], args))
+        procs = [_CONTEXT.Process(target=_worker, args=(fn, r, world_size, tp, pp, init_file, outs[r], args,
+                                                           os.environ.get("PYTEST_CURRENT_TEST", "")))
                  for r in range(world_size)]
         for p in procs:
             p.start()

@@ -1,0 +1,124 @@
+"""The run plan: every fact derived from the validated config, resolved once.
+
+``RunPlan.resolve(cfg, layout)`` checks the config against the world's layout
+and fixes what the rest of the code needs to know - the parallel degrees, the
+virtual stages, the ZeRO stage, the schedule, micro-batches per step, the
+activation shape between pipeline stages, the dtypes, the padded vocabulary
+and where each kind of training state lives. Partitioning, schedules, the
+optimizer, checkpoints, the memory planner and the metrics records read these
+fields; none of them derives a fact from the config again.
+
+The plan is frozen, and so are the config sections it is built from: a change
+(a vocabulary taken from the tokenizer, a model taken from a checkpoint) is a
+``dataclasses.replace`` of the config followed by a new ``resolve``, so
+validation always sees the values the run will use.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import Config, ConfigError
+from .parallel.layout import Layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class ZeroStage(enum.IntEnum):
+    """What the distributed optimizer shards over the data-parallel group (``--zero``)."""
+
+    NONE = 0  # DDP: every DP rank holds everything; gradients are all-reduced
+    OPTIMIZER_STATE = 1  # fp32 master weights and Adam moments sharded
+    GRADIENTS = 2  # ... and the gradients (no full-size gradient buffer kept between steps)
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        return self >= ZeroStage.OPTIMIZER_STATE
+
+    @property
+    def shards_gradients(self) -> bool:
+        return self >= ZeroStage.GRADIENTS
+
+    @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3: parameters too (not yet built)."""
+        return False
+
+
+class Placement(str, enum.Enum):
+    """Where a kind of training state lives between uses (offload tiers; only the device so far)."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatePlacement:
+    optimizer_state: Placement = Placement.DEVICE  # fp32 master weights + moments (ZeRO-Offload: HOST/DISK)
+    parameters: Placement = Placement.DEVICE  # compute-precision parameter shards (ZeRO-3 + offload)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan:
+    layout: Layout
+    virtual_stages: int  # model chunks per pipeline rank (interleaved schedule when > 1)
+    zero: ZeroStage
+    schedule: str  # "no-pipelining" (pp = 1), "gpipe", "1f1b" or "interleaved"
+    micro_batch_size: int
+    global_batch_size: int
+    micro_batches: int  # per step on each DP rank: global / (micro x dp)
+    seq_length: int
+    sequence_parallel: bool  # as given; it changes nothing at tp = 1
+    stage_shape: tuple[int, int, int]  # [s, b, h] between pipeline stages ([s/tp, b, h] under SP)
+    compute_dtype: torch.dtype
+    main_grads_dtype: torch.dtype
+    vocab_size: int | None  # None until the tokenizer (or --vocab-size, or a checkpoint) says
+    padded_vocab_size: int | None  # a multiple of --make-vocab-size-divisible-by x tp
+    placement: StatePlacement = field(default_factory=StatePlacement)
+
+    @classmethod
+    def resolve(cls, cfg: Config, layout: Layout) -> "RunPlan":
+        """Validate ``cfg`` for ``layout`` and derive the plan; raises ConfigError naming the flag."""
+        if (layout.tp, layout.pp) != (cfg.parallel.tp, cfg.parallel.pp):
+            raise ConfigError(f"layout {layout} does not match --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}.")
+        cfg.check_tensor_parallel()
+        micro_batches = cfg.check_batch(layout.dp)
+        vp = cfg.check_pipeline(layout.dp)
+        t, m = cfg.training, cfg.model
+        compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+        seq = m.seq_length // layout.tp if cfg.parallel.sequence_parallel else m.seq_length
+        schedule = cfg.parallel.schedule_name(m.num_layers) if layout.pp > 1 else "no-pipelining"
+        return cls(layout=layout, virtual_stages=vp, zero=ZeroStage(cfg.parallel.zero), schedule=schedule,
+                   micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
+                   micro_batches=micro_batches, seq_length=m.seq_length,
+                   sequence_parallel=cfg.parallel.sequence_parallel,
+                   stage_shape=(seq, t.micro_batch_size, m.hidden_size), compute_dtype=compute,
+                   main_grads_dtype=DTYPES[t.main_grads_dtype] if compute != torch.float32 else torch.float32,
+                   vocab_size=m.vocab_size,
+                   padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp))
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+    def layout_record(self) -> dict[str, Any]:
+        """The parallel layout as metrics, wandb and checkpoint metadata record it."""
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": int(self.zero),
+                "virtual_stages": self.virtual_stages}

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from megazero.arguments import parse_config
 from megazero.parallel.state import world_size_from_env
-from megazero.training.setup import run
+from megazero.training.run import run
 
 DRY_RUN_FLAGS = [
     ("--dry-run", {"action": "store_true", "help": "Print the per-rank memory plan of this configuration and exit "
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("] ", 1)[-1][:300]
         print(f"pretrain_gpt.py: error: a collective failed, a peer rank died or was stuck longer than "
               f"--distributed-timeout-minutes ({first}).", file=sys.stderr, flush=True)
-        return 1
+        sys.stdout.flush()
+        os._exit(1)  # the group is broken: tearing it down, or a normal exit, can abort in gloo's threads
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -46,7 +46,7 @@ def bench_step(steps: int = 50) -> float:
     bundle = build_data(data_path=None, tokenizer_model=None, split="969,30,1", seq_length=128,
                         train_samples=16 * steps, eval_samples=0, seed=1234, is_builder=True,
                         log=lambda s: None)
-    it = MicroBatchIterator(bundle.train, global_batch_size=16, micro_batch_size=4, dp_rank=0, dp_size=1)
+    it = MicroBatchIterator(bundle.train, micro_batch_size=4, micro_batches=4, dp_rank=0, dp_size=1)
     start = time.perf_counter()
     for _ in range(steps):
         it.next_step()

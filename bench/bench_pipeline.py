@@ -32,10 +32,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig,  # noqa: E402
                              ParallelConfig, TrainingConfig)
 from megazero.optimizer.zero import DistributedOptimizer  # noqa: E402
-from megazero.pipeline.schedules import build_schedule  # noqa: E402
+from megazero.pipeline.schedules import build_schedule, schedule_timeline  # noqa: E402
 from megazero.pipeline.timeline import bubble_of_step  # noqa: E402
-from megazero.training.logging import MetricsLog  # noqa: E402
-from megazero.training.setup import build_model_chunks  # noqa: E402
+from megazero.run_plan import RunPlan  # noqa: E402
+from megazero.training.metrics import MetricsLog  # noqa: E402
+from megazero.training.run import build_model_chunks  # noqa: E402
 from megazero.training.trainer import Trainer  # noqa: E402
 from tests.helpers.dist import spawn  # noqa: E402
 
@@ -66,8 +67,9 @@ def make_cfg(pp: int, m: int, vp: int, steps: int) -> Config:
 
 def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:
     """Train ``train_iters`` steps with the timeline on; this rank's compute spans per step."""
-    chunks = build_model_chunks(cfg, pstate)
-    schedule = build_schedule(cfg, pstate)
+    plan = RunPlan.resolve(cfg, pstate.layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
                       Tokens(cfg.training.global_batch_size, cfg.model.seq_length), MetricsLog(None, False))
     for _ in range(cfg.training.train_iters):

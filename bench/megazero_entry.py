@@ -1,7 +1,7 @@
 """One megazero layout on the benchmark workload: ``--tp/--pp/--zero/--schedule/--vp``, world = tp*pp*dp.
 
 Built from the library's own pieces (``build_model_chunks``, ``build_optimizer``,
-``get_schedule``) and driven step by step here, so the loop is the same shape
+``build_schedule``) and driven step by step here, so the loop is the same shape
 as every peer's: zero_grad, schedule over the micro-batches, optimizer step.
 Run with world size 1 it is the single-process reference every row's loss
 sequence is compared with.
@@ -56,22 +56,24 @@ def main() -> None:
     keep_freed_host_memory()  # as megazero's trainer does on CPU
     rank, world = common.init_world()
 
-    from megazero.optimizer.accounting import model_state_bytes as mz_state_bytes
+    from megazero.optimizer.accounting import measured_state_bytes as mz_state_bytes
     from megazero.parallel.layout import Layout
     from megazero.parallel.state import ParallelState
-    from megazero.pipeline.schedules import get_schedule
+    from megazero.pipeline.schedules import build_schedule
+    from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.setup import build_model_chunks, build_optimizer
+    from megazero.training.run import build_model_chunks, build_optimizer
 
     layout = Layout.from_world(world, args.tp, args.pp)
     cfg = build_config(args, layout.dp)
     pstate = ParallelState.build(layout, "cpu") if world > 1 else ParallelState.serial("cpu")
     seed_everything(common.SEED, pstate.pp_rank)
-    chunks = build_model_chunks(cfg, pstate)
-    opt = build_optimizer(cfg, chunks, pstate)
-    schedule = get_schedule(cfg.parallel.schedule_name(cfg.model.num_layers), pstate)
+    plan = RunPlan.resolve(cfg, layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    opt = build_optimizer(cfg, plan, chunks, pstate)
+    schedule = build_schedule(plan)
     data = common.tokens(work.total)
-    per_dp = common.GLOBAL_BATCH // pstate.dp_size
+    per_dp = common.GLOBAL_BATCH // pstate.dp
     micro = per_dp // args.micro_batches
     losses, timer, prof = [], common.StepTimer(work), None
     for step in range(work.total):

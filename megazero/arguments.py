@@ -92,9 +92,9 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py
     for key, value in vars(ns).items():
         if key != "config" and key not in extra_names:
             settings[key] = value
+    explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
     try:
-        config = Config.from_flat(settings)
+        config = Config.from_flat(settings, explicit=explicit)
     except TypeError as err:  # a YAML value of the wrong kind reaching a validator
         raise ConfigError(f"a setting has the wrong type ({err}); check --config and the flags.") from None
-    config.explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
     return config, ns

@@ -5,10 +5,11 @@ argument parser (``megazero.arguments``) is generated from these classes and
 YAML presets load into the very same fields. Flags use Megatron-LM's long
 names; a few have short aliases (``--tp``, ``--pp``). Bad values raise
 ``ConfigError`` (a ``ValueError``) with one sentence naming the flag and the fix.
+Sections are frozen: a change is ``Config.updated(...)``, which validates again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 
@@ -30,7 +31,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (ranks per TP group, inside a node).", "--tp")
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp")
@@ -84,9 +85,8 @@ class ParallelConfig:
                  f"({per_stage}), which gives {derived} chunks; pass only one of them.")
         return derived
 
-    def schedule_name(self, num_layers: int) -> str:
-        """The schedule to run: the flag, or 1f1b / interleaved (with virtual stages) by default."""
-        vp = self.virtual_size(num_layers)
+    def schedule_name(self, vp: int) -> str:
+        """The schedule to run with ``vp`` chunks per rank: the flag, or 1f1b / interleaved by default."""
         name = self.pipeline_schedule or ("interleaved" if vp > 1 else "1f1b")
         _require(name != "interleaved" or vp > 1,
                  "--pipeline-schedule interleaved needs --virtual-pipeline-size (or "
@@ -97,7 +97,7 @@ class ParallelConfig:
         return name
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     arch: str = opt("gpt2", "Model family: gpt2 (learned positions, LayerNorm, GELU, tied embeddings, biases) "
                     "or llama (RoPE, RMSNorm, SwiGLU, no biases, GQA).", choices=("gpt2", "llama"))
@@ -199,7 +199,7 @@ class ModelConfig:
         return -(-self.vocab_size // multiple) * multiple
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     lr: float = opt(3e-4, "Peak learning rate.")
     min_lr: float = opt(0.0, "Learning rate at the end of decay.")
@@ -221,7 +221,7 @@ class OptimizerConfig:
         _require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
     data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
                                       "None = the embedded default corpus.")
@@ -229,7 +229,7 @@ class DataConfig:
     split: str = opt("969,30,1", "Train/valid/test proportions of the documents.")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
     micro_batch_size: int = opt(4, "Samples per micro-batch per data-parallel rank.")
     global_batch_size: int = opt(16, "Samples per optimizer step over all data-parallel ranks.")
@@ -271,7 +271,7 @@ class TrainingConfig:
                  f"--max-skipped-steps must be >= 0 (0 = never stop), got {self.max_skipped_steps}.")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     log_interval: int = opt(10, "Print and record metrics every N iterations.")
     metrics_file: str | None = opt(None, "Append one JSON object per logged iteration to this file.")
@@ -290,7 +290,7 @@ class LoggingConfig:
         _require(self.log_interval >= 1, "--log-interval must be >= 1.")
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = opt(None, "Folder to write checkpoints to (each iteration in its own iter_* folder).")
     save_interval: int = opt(0, "Save every N iterations (and at the end, and on SIGTERM/SIGINT); 0 = only "
@@ -304,6 +304,17 @@ class CheckpointConfig:
         _require(self.keep_last is None or self.keep_last >= 1, "--keep-last must be >= 1.")
 
 
+def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Flat ``{field: value}`` settings grouped by the config section that owns each field."""
+    owners = {f.name: section for section, klass in SECTIONS.items() for f in fields(klass)}
+    per_section: dict[str, dict[str, Any]] = {}
+    for key, value in settings.items():
+        name = key.replace("-", "_")
+        _require(name in owners, f"unknown setting {key!r}; see `pretrain_gpt.py --help` for the names.")
+        per_section.setdefault(owners[name], {})[name] = value
+    return per_section
+
+
 SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "model": ModelConfig,
@@ -315,9 +326,9 @@ SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class Config:
-    """The whole run. Built from flat ``{field: value}`` settings by ``Config.from_flat``."""
+    """The whole run, frozen: built by ``from_flat``, changed only by ``updated`` (which re-validates)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -331,15 +342,16 @@ class Config:
     checkpoint's model. Not a flag and not in ``to_flat()``."""
 
     @classmethod
-    def from_flat(cls, settings: dict[str, Any]) -> "Config":
+    def from_flat(cls, settings: dict[str, Any], explicit: frozenset[str] = frozenset()) -> "Config":
         """Route each flat key to its section; an unknown key is an error naming it."""
-        owners = {f.name: section for section, klass in SECTIONS.items() for f in fields(klass)}
-        per_section: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-        for key, value in settings.items():
-            name = key.replace("-", "_")
-            _require(name in owners, f"unknown setting {key!r}; see `pretrain_gpt.py --help` for the names.")
-            per_section[owners[name]][name] = value
-        return cls(**{section: SECTIONS[section](**kw) for section, kw in per_section.items()})
+        per_section = _by_section(settings)
+        return cls(**{section: SECTIONS[section](**per_section.get(section, {})) for section in SECTIONS},
+                   explicit=explicit)
+
+    def updated(self, **settings: Any) -> "Config":
+        """A copy with these flat settings changed; every changed section validates itself again."""
+        return replace(self, **{section: replace(getattr(self, section), **kw)
+                                for section, kw in _by_section(settings).items()})
 
     def to_flat(self) -> dict[str, Any]:
         return {f.name: getattr(getattr(self, s), f.name) for s, k in SECTIONS.items() for f in fields(k)}
@@ -352,8 +364,11 @@ class Config:
                  f"({t.micro_batch_size}) x data-parallel size ({dp}); adjust one of them.")
         return t.global_batch_size // (t.micro_batch_size * dp)
 
-    def check_pipeline(self, dp: int) -> int:
-        """Layers must split evenly into pp x vp chunks; interleaving needs m divisible by pp. Returns vp."""
+    def check_pipeline(self, dp: int, micro_batches: int) -> tuple[int, str]:
+        """Layers must split evenly into pp x vp chunks; interleaving needs m divisible by pp.
+
+        Returns (vp, schedule name); ``micro_batches`` is ``check_batch(dp)``'s answer.
+        """
         pp, layers = self.parallel.pp, self.model.num_layers
         _require(pp <= layers, f"--pipeline-model-parallel-size/--pp ({pp}) exceeds --num-layers ({layers}); "
                                f"every stage needs at least one layer, so lower --pp.")
@@ -363,14 +378,14 @@ class Config:
         _require(layers % (pp * vp) == 0,
                  f"--num-layers ({layers}) must be divisible by --pp ({pp}) x --virtual-pipeline-size ({vp}); "
                  f"change one of them.")
-        if self.parallel.schedule_name(layers) == "interleaved":
-            m = self.check_batch(dp)
+        schedule, m = self.parallel.schedule_name(vp), micro_batches
+        if schedule == "interleaved":
             _require(pp >= 2, "the interleaved schedule needs --pp >= 2; drop the virtual-stage flags.")
             _require(m % pp == 0,
                      f"the interleaved schedule needs micro-batches per step ({m} = --global-batch-size "
                      f"{self.training.global_batch_size} / (--micro-batch-size {self.training.micro_batch_size} "
                      f"x dp {dp})) divisible by --pp ({pp}); adjust --global-batch-size.")
-        return vp
+        return vp, schedule
 
     def check_tensor_parallel(self) -> None:
         """The model must split evenly over TP ranks (heads, query groups, MLP width)."""

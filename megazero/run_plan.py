@@ -88,11 +88,11 @@ class RunPlan:
             raise ConfigError(f"layout {layout} does not match --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}.")
         cfg.check_tensor_parallel()
         micro_batches = cfg.check_batch(layout.dp)
-        vp = cfg.check_pipeline(layout.dp)
+        vp, schedule = cfg.check_pipeline(layout.dp, micro_batches)
         t, m = cfg.training, cfg.model
         compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         seq = m.seq_length // layout.tp if cfg.parallel.sequence_parallel else m.seq_length
-        schedule = cfg.parallel.schedule_name(m.num_layers) if layout.pp > 1 else "no-pipelining"
+        schedule = schedule if layout.pp > 1 else "no-pipelining"
         return cls(layout=layout, virtual_stages=vp, zero=ZeroStage(cfg.parallel.zero), schedule=schedule,
                    micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                    micro_batches=micro_batches, seq_length=m.seq_length,
@@ -120,5 +120,9 @@ class RunPlan:
 
     def layout_record(self) -> dict[str, Any]:
         """The parallel layout as metrics, wandb and checkpoint metadata record it."""
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "zero": int(self.zero),
-                "virtual_stages": self.virtual_stages}
+        return layout_record(self.layout, self.zero, self.virtual_stages)
+
+
+def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, Any]:
+    """The one schema of a recorded layout (a converter writes it for a layout it never runs)."""
+    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero), "virtual_stages": virtual_stages}

@@ -11,7 +11,7 @@ import torch
 from megazero.arguments import parse_config
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
-from megazero.training.setup import validate
+from megazero.training.run import validate
 
 PRESETS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
 
@@ -26,7 +26,7 @@ def documented_count(path: str) -> int:
 def test_preset_parameter_count(path):
     cfg, _ = parse_config(["--config", path])
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = 8000  # the default corpus's tokenizer
+        cfg = cfg.updated(vocab_size=8000)  # the default corpus's tokenizer
     small = documented_count(path) < 20e6
     with torch.device("cpu" if small else "meta"):
         model = GPTModel(cfg.model, TPContext())

@@ -56,8 +56,7 @@ def report(argv: list[str]) -> tuple[int, str]:
                   peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
                   intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
                   headroom=ns.headroom)
-    cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
-    base = plan_for_run(cfg, 1).spec
+    base = plan_for_run(cfg.updated(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 1).spec
     cands = search_layouts(base, hw, cfg.training.global_batch_size)
     if ns.json:
         return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0}

@@ -18,7 +18,9 @@ from safetensors.torch import load_file, save_file
 from ..config import Config, ModelConfig
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
+from ..parallel.layout import Layout
 from ..pipeline.partition import chunk_layer_ranges
+from ..run_plan import layout_record
 from ..tensor_parallel.layers import spec_of
 from . import storage
 from .hf import from_hf, hf_config, model_config_from_hf, to_hf
@@ -97,10 +99,9 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
                                                 "padded_rows": specs[name].valid_rows is not None, "files": {}})
                 entry["files"][fname] = region
             save_file(tensors, os.path.join(staging, fname))
-    cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size = tp, pp
-    layout = {"tp": tp, "pp": pp, "dp": 1, "zero": cfg.parallel.zero,
-              "virtual_stages": vp}
-    meta = storage.metadata_dict(config=cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
+    layout = layout_record(Layout(tp=tp, dp=1, pp=pp), cfg.parallel.zero, vp)
+    saved_cfg = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    meta = storage.metadata_dict(config=saved_cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
                                  model=index, optimizer_scalars={}, optimizer_files={}, rng_files=False)
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
     return storage.publish(root, staging, iteration, keep_last=None)

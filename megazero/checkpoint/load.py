@@ -18,7 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import Config, ConfigError, ModelConfig, flag
+from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel.state import ParallelState
+from ..run_plan import RunPlan
 from ..tensor_parallel.layers import full_shape, spec_of
 from . import storage
 from .save import KINDS, named_parameters
@@ -111,8 +113,7 @@ def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
                           f"({table}); use --seq-length {table} or less.")
     if saved["arch"] == "gpt2":
         merged["max_position_embeddings"] = table
-    new = Config.from_flat(merged)
-    new.explicit = cfg.explicit
+    new = Config.from_flat(merged, explicit=cfg.explicit)
     changed = [f"{flag(k)} {merged[k]}" for k in model_keys() + ["seq_length"] if merged[k] != run[k]]
     return new, changed
 
@@ -127,12 +128,12 @@ def load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Module
         entry = index.get(name)
         if entry is None:
             raise ValueError(f"checkpoint has no tensor {name!r}; it was saved from a different architecture.")
-        shape = list(full_shape(p, pstate.tp_size))
+        shape = list(full_shape(p, pstate.tp))
         padded = spec_of(p).valid_rows is not None
         if entry["shape"] != shape and not (padded and entry["shape"][1:] == shape[1:]):
             raise ValueError(f"checkpoint tensor {name!r} has shape {entry['shape']}, this model needs {shape}; "
                              f"it was saved from a model of a different size.")
-        target = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp_size)
+        target = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp)
         local = torch.zeros(_size(target), dtype=torch.float32)
         for fname, region in entry["files"].items():
             overlap = intersect(target, [tuple(r) for r in region])
@@ -153,8 +154,8 @@ def _saved_local(reader: ShardReader, meta: dict, name: str, kind: str, tp_rank:
     return flat.view(_size(region))
 
 
-def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: Any, chunks: list[nn.Module],
-                         pstate: ParallelState) -> None:
+def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOptimizerState,
+                         chunks: list[nn.Module], pstate: ParallelState) -> None:
     """Restore master weights and moments for every piece this rank updates, from any saved layout."""
     if not meta["optimizer"]["files"]:
         return  # e.g. converted from HF: fresh Adam state, masters already equal the loaded weights
@@ -163,8 +164,8 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: Any, chun
     for param, param_lo, views in optimizer.state_segments():
         name = names[id(param)]
         entry = meta["model"][name]
-        shape = list(full_shape(param, pstate.tp_size))
-        target = tp_region(shape, spec_of(param).split_dim, pstate.tp_rank, pstate.tp_size)
+        shape = list(full_shape(param, pstate.tp))
+        target = tp_region(shape, spec_of(param).split_dim, pstate.tp_rank, pstate.tp)
         n = views["exp_avg"].numel()
         for kind in KINDS:
             local = torch.zeros(_size(target), dtype=torch.float32)
@@ -180,11 +181,9 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: Any, chun
     optimizer.sync_params_from_master()
 
 
-def same_layout(meta: dict[str, Any], cfg: Config, pstate: ParallelState) -> bool:
-    lay = meta["layout"]
-    return (lay["tp"], lay["pp"], lay["dp"], lay["zero"], lay["virtual_stages"]) == (
-        pstate.tp_size, pstate.pp_size, pstate.dp_size, cfg.parallel.zero,
-        cfg.parallel.virtual_size(cfg.model.num_layers))
+def same_layout(meta: dict[str, Any], plan: RunPlan) -> bool:
+    """Whether the checkpoint was saved in this run's layout (then its RNG states resume exactly)."""
+    return meta["layout"] == plan.layout_record()
 
 
 def has_rng(meta: dict[str, Any]) -> bool:

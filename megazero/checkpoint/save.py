@@ -23,12 +23,14 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
 from ..config import Config
+from ..parallel import collectives as C
+from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel.state import ParallelState
+from ..run_plan import RunPlan
 from ..tensor_parallel.layers import full_shape, spec_of
 from . import storage
 from .slices import tp_region
@@ -59,8 +61,8 @@ def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
 def _model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[str, Any]:
     index = {}
     for name, p in named.items():
-        shape = list(full_shape(p, pstate.tp_size))
-        region = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp_size)
+        shape = list(full_shape(p, pstate.tp))
+        region = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp)
         index[name] = {"shape": shape, "split_dim": spec_of(p).split_dim, "dtype": str(p.dtype).replace("torch.", ""),
                        "padded_rows": spec_of(p).valid_rows is not None,
                        "file": storage.model_file(pstate.tp_rank, pstate.pp_rank), "region": region}
@@ -75,7 +77,7 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, ok in zip(tensors, finite) if not ok]
 
 
-def _write_optimizer(optimizer: Any, named: dict[str, nn.Parameter], staging: str,
+def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter], staging: str,
                      pstate: ParallelState) -> tuple[dict[str, Any], list[str]]:
     """Write this rank's master weights and moments; returns their index entry and any non-finite names."""
     names = {id(p): n for n, p in named.items()}
@@ -99,22 +101,19 @@ def _refuse_non_finite(pieces: list[dict], staging: str, iteration: int, pstate:
         return
     if pstate.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
-    if dist.is_initialized():
-        dist.barrier()  # the staging folder is gone before any rank exits
+    C.barrier(pstate.world_group)  # the staging folder is gone before any rank exits
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     raise ValueError(f"checkpoint of iteration {iteration} not saved: non-finite values in {', '.join(bad[:3])}"
                      f"{more}; the run diverged - 'latest' still names the last good checkpoint, resume from it "
                      f"(e.g. with a lower --lr).")
 
 
-def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, pstate: ParallelState,
-                    chunks: list[nn.Module], optimizer: Any, tp_rng: Any = None,
-                    keep_last: int | None = None) -> str:
+def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, plan: RunPlan,
+                    pstate: ParallelState, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
+                    tp_rng: Any = None, keep_last: int | None = None) -> str:
     """Write this rank's shards; rank 0 publishes the checkpoint once all ranks are done."""
-    stamp = [f"{int(time.time() * 1000)}"] if pstate.rank == 0 else [None]
-    if dist.is_initialized():
-        dist.broadcast_object_list(stamp, src=0)
-    staging = storage.staging_dir(root, iteration, stamp[0])
+    stamp = C.broadcast_object(f"{int(time.time() * 1000)}" if pstate.rank == 0 else None, 0, pstate.world_group)
+    staging = storage.staging_dir(root, iteration, stamp)
     os.makedirs(staging, exist_ok=True)
     named, bad = named_parameters(chunks), []
     if pstate.dp_rank == 0:
@@ -126,25 +125,20 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
         optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
         bad += optim_bad
     save_file(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
-    pieces = [None] * pstate.layout.world_size
     mine = {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info,
             "non_finite": bad}
-    if dist.is_initialized():
-        dist.all_gather_object(pieces, mine)  # also the barrier and the finiteness vote: all files are written
-    else:
-        pieces = [mine]
+    pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the finiteness vote
     _refuse_non_finite(pieces, staging, iteration, pstate)
     final = os.path.join(root, storage.iteration_dir(iteration))
     if pstate.rank == 0:
-        meta = _metadata(cfg, pstate, iteration, consumed_samples, optimizer, pieces)
+        meta = _metadata(cfg, plan, iteration, consumed_samples, optimizer, pieces)
         storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
         final = storage.publish(root, staging, iteration, keep_last)
-    if dist.is_initialized():
-        dist.barrier()  # nobody moves on (or exits) before the checkpoint is published
+    C.barrier(pstate.world_group)  # nobody moves on (or exits) before the checkpoint is published
     return final
 
 
-def _metadata(cfg: Config, pstate: ParallelState, iteration: int, consumed_samples: int, optimizer: Any,
+def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int, optimizer: ShardedOptimizerState,
               pieces: list[dict]) -> dict[str, Any]:
     model: dict[str, Any] = {}
     for piece in pieces:
@@ -153,9 +147,7 @@ def _metadata(cfg: Config, pstate: ParallelState, iteration: int, consumed_sampl
             slot.setdefault("files", {})[entry["file"]] = entry["region"]
     optim_files = {p["optim"]["file"]: {"tp_rank": p["optim"]["tp_rank"], "ranges": p["optim"]["ranges"]}
                    for p in pieces if p["optim"] is not None}
-    layout = pstate.layout
     return storage.metadata_dict(
         config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
-        layout={"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": cfg.parallel.zero,
-                "virtual_stages": cfg.parallel.virtual_size(cfg.model.num_layers)},
-        optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files, rng_files=True)
+        layout=plan.layout_record(), optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files,
+        rng_files=True)

@@ -8,18 +8,18 @@ only the builder (global rank 0) writes caches, before each ``barrier()``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 
-from megazero.data.blend import BlendedDataset, blend_counts, parse_data_path
-from megazero.data.corpus import CorpusPaths, default_corpus
-from megazero.data.gpt_dataset import GPTDataset, epochs_needed, split_documents
-from megazero.data.indexed import IndexedDataset
-from megazero.data.sampler import MicroBatchIterator
-from megazero.data.tokenizer import Tokenizer
+from .blend import BlendedDataset, blend_counts, parse_data_path
+from .corpus import CorpusPaths, default_corpus
+from .gpt_dataset import GPTDataset, epochs_needed, split_documents
+from .indexed import IndexedDataset
+from .sampler import MicroBatchIterator
+from .tokenizer import Tokenizer
 
 __all__ = [
     "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset",

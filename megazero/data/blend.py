@@ -11,7 +11,7 @@ one stable sort instead of a per-sample loop.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from typing import Sequence
 
 import numpy as np
 import torch

@@ -18,11 +18,11 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
-from megazero.data.preprocess import tokenize_documents, write_documents
-from megazero.data.tokenizer import Tokenizer, train_sentencepiece
+from .preprocess import tokenize_documents, write_documents
+from .tokenizer import Tokenizer, train_sentencepiece
 
 CORPUS_VERSION = 1
 MAX_BYTES = 3_500_000

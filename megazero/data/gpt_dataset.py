@@ -19,12 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from typing import Callable
 
 import numpy as np
 import torch
 
-from megazero.data.indexed import IndexedDataset
+from .indexed import IndexedDataset
 
 _INDEX_VERSION = 3  # 3: whole shuffle blocks, so the order never depends on num_samples
 _NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
@@ -71,9 +71,8 @@ def epochs_needed(tokens_per_epoch: int, seq_length: int, num_samples: int) -> i
     return -(-(num_samples * seq_length + 1) // tokens_per_epoch)
 
 
-def build_indices(
-    doc_lengths: np.ndarray, doc_indices: np.ndarray, seq_length: int, num_samples: int, seed: int
-) -> dict[str, np.ndarray]:
+def build_indices(doc_lengths: np.ndarray, doc_indices: np.ndarray, seq_length: int, num_samples: int,
+                  seed: int) -> dict[str, np.ndarray]:
     """Compute doc_idx / sample_idx / shuffle_idx; the first ``num_samples`` of one endless order.
 
     Windows are shuffled in blocks of about one epoch's windows, each block by a
@@ -117,10 +116,9 @@ def _cache_key(indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int
     return hashlib.sha1(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_or_build_indices(
-    indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int, num_samples: int, seed: int,
-    cache_dir: str, is_builder: bool, barrier: Callable[[], None],
-) -> dict[str, np.ndarray]:
+def load_or_build_indices(indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int, num_samples: int,
+                          seed: int, cache_dir: str, is_builder: bool,
+                          barrier: Callable[[], None]) -> dict[str, np.ndarray]:
     """Builder computes and saves (atomically); everyone then memory-maps."""
     key = _cache_key(indexed, doc_indices, seq_length, num_samples, seed)
     base = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{key}")
@@ -139,25 +137,17 @@ def load_or_build_indices(
     barrier()
     missing = [p for p in paths.values() if not os.path.exists(p)]
     if missing:
-        raise RuntimeError(f"index cache {missing[0]} is missing after the barrier; is {cache_dir} shared by all ranks?")
+        raise RuntimeError(f"index cache {missing[0]} is missing after the barrier; "
+                           f"is {cache_dir} shared by all ranks?")
     return {name: np.load(path, mmap_mode="r") for name, path in paths.items()}
 
 
 class GPTDataset(torch.utils.data.Dataset):
     """``num_samples`` int64 tensors of ``seq_length + 1`` tokens, seeded order."""
 
-    def __init__(
-        self,
-        indexed: IndexedDataset,
-        seq_length: int,
-        num_samples: int,
-        seed: int,
-        doc_indices: np.ndarray | None = None,
-        *,
-        cache_dir: str | None = None,
-        is_builder: bool = True,
-        barrier: Callable[[], None] = lambda: None,
-    ) -> None:
+    def __init__(self, indexed: IndexedDataset, seq_length: int, num_samples: int, seed: int,
+                 doc_indices: np.ndarray | None = None, *, cache_dir: str | None = None, is_builder: bool = True,
+                 barrier: Callable[[], None] = lambda: None) -> None:
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
         if num_samples < 1:
@@ -165,7 +155,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed = indexed
         self.seq_length = seq_length
         self.num_samples = num_samples
-        docs = np.arange(len(indexed), dtype=np.int64) if doc_indices is None else np.asarray(doc_indices, dtype=np.int64)
+        docs = (np.arange(len(indexed), dtype=np.int64) if doc_indices is None
+                else np.asarray(doc_indices, dtype=np.int64))
         if cache_dir is None:
             cache_dir = os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)), "index-cache")
         idx = load_or_build_indices(indexed, docs, seq_length, num_samples, seed, cache_dir, is_builder, barrier)

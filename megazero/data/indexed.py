@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
+from typing import Iterable
 
 import numpy as np
 
@@ -171,7 +171,8 @@ class IndexedDataset:
         self.prefix = prefix
         for ext in (".bin", ".idx"):
             if not os.path.isfile(prefix + ext):
-                raise ValueError(f"data file {prefix + ext} does not exist; check --data-path (give the prefix, without .bin/.idx)")
+                raise ValueError(f"data file {prefix + ext} does not exist; "
+                                 "check --data-path (give the prefix, without .bin/.idx)")
         self._header, self._offsets = _read_index(prefix + ".idx")
         self.dtype = self._header.dtype
         self._max_id = self._header.max_id

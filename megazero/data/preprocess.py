@@ -12,11 +12,11 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
-from megazero.data.indexed import IndexedDatasetWriter
-from megazero.data.tokenizer import TokenizerLike, load_tokenizer
+from .indexed import IndexedDatasetWriter
+from .tokenizer import TokenizerLike, load_tokenizer
 
 _JSON_EXTS = (".json", ".jsonl", ".ndjson")
 
@@ -90,19 +90,15 @@ def _load(inputs: Sequence[str], key: str, cache_dir: str):  # -> datasets.Datas
             )
         missing = ds.data.column(key).null_count
         if missing:
-            raise ValueError(f"{missing} JSON records in {', '.join(inputs)} lack key {key!r}; fix the input or --json-keys")
+            raise ValueError(f"{missing} JSON records in {', '.join(inputs)} lack key {key!r}; "
+                             "fix the input or --json-keys")
     if len(ds) == 0:
         raise ValueError(f"input {', '.join(inputs)} has no documents; nothing to preprocess")
     return ds, key_in
 
 
-def write_documents(
-    token_docs: Iterable[Sequence[int]],
-    output_prefix: str,
-    vocab_size: int,
-    log: Callable[[str], None] = print,
-    log_every: int = 100_000,
-) -> PreprocessStats:
+def write_documents(token_docs: Iterable[Sequence[int]], output_prefix: str, vocab_size: int,
+                    log: Callable[[str], None] = print, log_every: int = 100_000) -> PreprocessStats:
     """Write already-tokenised documents (EOS included) to ``PREFIX.bin/.idx``."""
     start = time.perf_counter()
     with IndexedDatasetWriter(output_prefix, vocab_size) as writer:
@@ -110,14 +106,13 @@ def write_documents(
             writer.add_document(doc)
             if writer.num_documents % log_every == 0:
                 secs = time.perf_counter() - start
-                log(f"  {writer.num_documents} docs, {writer.num_tokens} tokens, {writer.num_tokens / secs:,.0f} tokens/s")
+                log(f"  {writer.num_documents} docs, {writer.num_tokens} tokens, "
+                    f"{writer.num_tokens / secs:,.0f} tokens/s")
         docs, tokens = writer.num_documents, writer.num_tokens
     return PreprocessStats(docs, tokens, time.perf_counter() - start)
 
 
-def tokenize_documents(
-    texts: Iterable[str], tokenizer: TokenizerLike, batch_size: int = 1000
-) -> Iterable[list[int]]:
+def tokenize_documents(texts: Iterable[str], tokenizer: TokenizerLike, batch_size: int = 1000) -> Iterable[list[int]]:
     """In-process tokenisation (no ``datasets``): each document + EOS."""
     batch: list[str] = []
     for text in texts:
@@ -129,15 +124,9 @@ def tokenize_documents(
         yield from (ids + [tokenizer.eos_id] for ids in tokenizer.encode_batch(batch))
 
 
-def preprocess_files(
-    inputs: Sequence[str],
-    output_prefix: str,
-    tokenizer_model: str,
-    json_key: str = "text",
-    workers: int = 1,
-    tokenizer_type: str = "sentencepiece",
-    log: Callable[[str], None] = print,
-) -> PreprocessStats:
+def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, json_key: str = "text",
+                     workers: int = 1, tokenizer_type: str = "sentencepiece",
+                     log: Callable[[str], None] = print) -> PreprocessStats:
     """The whole tool: read ``inputs``, tokenise with ``workers`` processes, write."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")

@@ -9,25 +9,11 @@ reads exactly what the uninterrupted run would have read.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from typing import Iterator
 
 import torch
 
-
-def check_batch_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
-    """Validate the batch arithmetic; returns micro-batches per step per rank."""
-    if micro_batch_size < 1 or global_batch_size < 1:
-        raise ValueError(
-            f"--global-batch-size ({global_batch_size}) and --micro-batch-size ({micro_batch_size}) must be >= 1"
-        )
-    if dp_size < 1:
-        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
-    if global_batch_size % (micro_batch_size * dp_size):
-        raise ValueError(
-            f"--global-batch-size ({global_batch_size}) must be divisible by --micro-batch-size "
-            f"({micro_batch_size}) x data-parallel size ({dp_size}); change one of them"
-        )
-    return global_batch_size // (micro_batch_size * dp_size)
+from ..run_plan import RunPlan
 
 
 def rank_indices(consumed: int, global_batch_size: int, dp_rank: int, dp_size: int) -> range:
@@ -38,18 +24,27 @@ def rank_indices(consumed: int, global_batch_size: int, dp_rank: int, dp_size: i
 
 
 class MicroBatchIterator:
-    """One DP rank's micro-batches, step by step, resumable by ``consumed_samples``."""
+    """One DP rank's micro-batches, step by step, resumable by ``consumed_samples``.
 
-    def __init__(self, dataset: torch.utils.data.Dataset, global_batch_size: int, micro_batch_size: int,
+    The batch arithmetic was validated when the run plan was resolved
+    (``RunPlan.micro_batches``); the global batch is ``micro_batch_size x micro_batches x dp_size``.
+    """
+
+    def __init__(self, dataset: torch.utils.data.Dataset, micro_batch_size: int, micro_batches: int,
                  dp_rank: int, dp_size: int, consumed_samples: int = 0) -> None:
-        self.num_micro_batches = check_batch_sizes(global_batch_size, micro_batch_size, dp_size)
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
         self.dataset = dataset
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
+        self.micro_batch_size, self.num_micro_batches = micro_batch_size, micro_batches
+        self.global_batch_size = micro_batch_size * micro_batches * dp_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.consumed_samples = consumed_samples
+
+    @classmethod
+    def from_plan(cls, dataset: torch.utils.data.Dataset, plan: RunPlan, dp_rank: int,
+                  consumed_samples: int = 0) -> "MicroBatchIterator":
+        """This DP rank's iterator for the run ``plan`` describes."""
+        return cls(dataset, plan.micro_batch_size, plan.micro_batches, dp_rank, plan.dp, consumed_samples)
 
     def has_next(self) -> bool:
         return self.consumed_samples + self.global_batch_size <= len(self.dataset)

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Iterable, Iterator
-from typing import Protocol
+from typing import Iterable, Iterator, Protocol
 
 import sentencepiece as spm
 
@@ -140,13 +139,8 @@ def _training_lines(inputs: Iterable[str]) -> Iterator[str]:
                 yield line
 
 
-def train_sentencepiece(
-    inputs: Iterable[str],
-    model_prefix: str,
-    vocab_size: int,
-    model_type: str = "bpe",
-    max_sentences: int = 0,
-) -> str:
+def train_sentencepiece(inputs: Iterable[str], model_prefix: str, vocab_size: int, model_type: str = "bpe",
+                        max_sentences: int = 0) -> str:
     """Train a model from an iterable of texts; returns the ``.model`` path.
 
     ``max_sentences`` > 0 keeps only the first that many lines (no random

@@ -2,7 +2,7 @@
 
 The persistent gradient storage is what ``optimizer/buffers.py`` allocates at
 build time: the full main-grad buffer under ZeRO 0/1, the 1/dp shard under
-ZeRO 2. On top of it, during a step, the optimizer holds (``optimizer/zero.py``):
+ZeRO 2. On top of it, during a step, the optimizer holds (``optimizer/grad_sync.py``):
 
     ZeRO 2, m > 1   every bucket's full-size gradient, from the first micro-batch's
                     backward until the last one reduce-scatters it: a full-size
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..optimizer.buffers import PAD_ALIGN
-from ..optimizer.zero import MAX_INFLIGHT_BUCKETS
+from ..optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from ..config import Config, ConfigError, ModelConfig
+from ..parallel.layout import Layout
+from ..run_plan import DTYPE_NAMES, RunPlan
 from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
                           recompute_working_bytes)
 from .grads import bucket_numels, grad_bytes
@@ -43,19 +45,19 @@ class PlanSpec:
     device: str = "cuda"
 
     @classmethod
-    def from_config(cls, cfg: Config, dp: int, device: str = "cuda") -> "PlanSpec":
-        """The spec of a training run; raises ConfigError where the run itself would."""
-        if cfg.model.vocab_size is None:
+    def from_plan(cls, cfg: Config, plan: RunPlan, device: str = "cuda") -> "PlanSpec":
+        """The spec of a training run: its resolved plan, plus the model and the run-time choices of ``cfg``."""
+        if plan.vocab_size is None:
             raise ConfigError("the memory plan needs the vocabulary: pass --vocab-size (or --tokenizer-model).")
-        cfg.check_tensor_parallel()
-        p, t = cfg.parallel, cfg.training
-        precision = "bf16" if t.bf16 else "fp16" if t.fp16 else "fp32"
-        return cls(model=cfg.model, tp=p.tp, pp=p.pp, dp=dp, zero=p.zero, micro_batch_size=t.micro_batch_size,
-                   num_micro_batches=cfg.check_batch(dp), sequence_parallel=p.sequence_parallel and p.tp > 1,
-                   recompute=t.recompute, recompute_num_layers=t.recompute_num_layers,
-                   schedule=p.schedule_name(cfg.model.num_layers) if p.pp > 1 else "1f1b",
-                   vp=p.virtual_size(cfg.model.num_layers), precision=precision,
-                   main_grads_dtype=t.main_grads_dtype, bucket_size=p.bucket_size, device=device)
+        t = cfg.training
+        return cls(model=cfg.model, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=int(plan.zero),
+                   micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.micro_batches,
+                   sequence_parallel=plan.sequence_parallel and plan.tp > 1, recompute=t.recompute,
+                   recompute_num_layers=t.recompute_num_layers,
+                   schedule=plan.schedule if plan.pp > 1 else "1f1b",  # pp = 1 holds one micro-batch either way
+                   vp=plan.virtual_stages, precision=DTYPE_NAMES[plan.compute_dtype],
+                   main_grads_dtype=DTYPE_NAMES[plan.main_grads_dtype], bucket_size=cfg.parallel.bucket_size,
+                   device=device)
 
     @property
     def world_size(self) -> int:
@@ -170,12 +172,10 @@ def format_plan(plan: MemoryPlan) -> str:
 
 def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
     """The plan of a training run on ``world_size`` ranks (dp derived as the trainer derives it)."""
-    from ..parallel.layout import Layout
-
-    layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
     if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
         from ..data.tokenizer import load_tokenizer
 
-        cfg.model.vocab_size = load_tokenizer(cfg.data.tokenizer_model).vocab_size
+        cfg = cfg.updated(vocab_size=load_tokenizer(cfg.data.tokenizer_model).vocab_size)
+    run_plan = RunPlan.resolve(cfg, Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp))
     device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    return plan_memory(PlanSpec.from_config(cfg, layout.dp, device))
+    return plan_memory(PlanSpec.from_plan(cfg, run_plan, device))

@@ -3,11 +3,9 @@
 Cost model (per optimizer step; every term is charged in full, no overlap, so
 it ranks layouts rather than predicting wall time to the percent):
 
-    F_tok   forward FLOPs per token = 2 L P_blk + 4 L s n d + 2 h V_pad
-            (P_blk: a block's matmul weights; 4 s n d: QK^T and AV, full square as
-            Megatron counts them; 2 h V_pad: the logits)
-    train   3 F_tok, + 2 L P_blk + 4 L s n d (full recompute: one more block forward)
-                     or + 4 L s n d (selective: one more attention core)
+    FLOPs   training FLOPs per token, ``megazero.model.flops.flops_per_token`` (the
+            trainer's MFU formula) with the padded vocabulary: 3 x forward, plus one
+            more block forward (full recompute) or attention core (selective)
     t_mb    one micro-batch through one stage =
               FLOPs x b s / (pp tp) / (peak x efficiency)
             + TP: 4 collectives per block (6 with full recompute) of s b h e bytes,
@@ -25,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import ModelConfig
-from .params import block_params, bytes_per_param
+from ..model.flops import flops_per_token
+from .params import bytes_per_param
 from .plan import GIB, MemoryPlan, PlanSpec, plan_memory
 
 
@@ -45,20 +44,10 @@ class Hardware:
         return self.gpu_memory_gib * GIB * (1 - self.headroom)
 
 
-def forward_flops_per_token(cfg: ModelConfig, tp: int) -> tuple[float, float, float]:
-    """(all forward FLOPs, block-matmul part, attention-core part) per token."""
-    matmul = block_params(cfg).split  # weights (biases are noise); the split ones are the matmuls
-    attention = 4 * cfg.seq_length * cfg.num_attention_heads * cfg.head_dim
-    blocks = cfg.num_layers * (2 * matmul + attention)
-    return blocks + 2 * cfg.hidden_size * cfg.padded_vocab_size(tp), 2 * cfg.num_layers * matmul, \
-        cfg.num_layers * attention
-
-
 def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     """Estimated seconds per optimizer step (see the module docstring)."""
     cfg, a = spec.model, spec.activation_spec()
-    total, matmul, attention = forward_flops_per_token(cfg, spec.tp)
-    flops = 3 * total + {"full": matmul + attention, "selective": attention}.get(spec.recompute, 0)
+    flops = flops_per_token(cfg, spec.recompute, spec.recompute_num_layers, cfg.padded_vocab_size(spec.tp))
     tokens_mb = spec.micro_batch_size * cfg.seq_length
     compute = flops * tokens_mb / (spec.pp * spec.tp) / (hw.peak_flops * hw.efficiency)
     act = tokens_mb * cfg.hidden_size * a.dtype_bytes

@@ -55,7 +55,7 @@ class GPTModel(nn.Module):
         assert cfg.vocab_size is not None, "set cfg.vocab_size from the tokenizer first"
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
-        self.padded_vocab = cfg.padded_vocab_size(ctx.size)
+        self.padded_vocab = cfg.padded_vocab_size(ctx.tp)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layer_ids = layer_ids
         tied = cfg.tied_embeddings
@@ -63,7 +63,7 @@ class GPTModel(nn.Module):
         if pre_process or (post_process and tied):
             self.embedding = Embedding(cfg, ctx, self.padded_vocab, with_positions=pre_process and cfg.arch == "gpt2")
             if not pre_process:
-                self.embedding.word.weight.is_embedding_copy = True  # counted once, on the first stage
+                spec_of(self.embedding.word.weight).tied_role = "embedding_copy"  # counted once, on the first stage
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, ctx, layer_id=i) for i in layer_ids})
         if post_process:
             self.final_norm = make_norm(cfg, ctx)
@@ -108,7 +108,7 @@ def count_parameters(model: nn.Module, tp: int = 1) -> int:
     """Parameters of the full model represented by this module (TP slices scaled back up)."""
     total = 0
     for p in model.parameters():
-        if getattr(p, "is_embedding_copy", False):
+        if spec_of(p).tied_role == "embedding_copy":
             continue
         total += p.numel() * (tp if spec_of(p).split_dim is not None else 1)
     return total

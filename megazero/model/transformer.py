@@ -35,7 +35,8 @@ class TPContext:
     rng: DropoutRNG | None = None  # None: dropout draws from the default generator
 
     @property
-    def size(self) -> int:
+    def tp(self) -> int:
+        """The TP degree (the size of ``group``)."""
         return group_size(self.group)
 
     def dropout_streams(self, layer: int | str) -> list[str]:

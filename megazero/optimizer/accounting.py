@@ -27,7 +27,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     return sum(seen.values())
 
 
-def model_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+def measured_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+    """Bytes this rank holds (``megazero.memory.model_state_bytes`` is the formula they should match)."""
     params = storage_bytes(buf.param_data for buf in opt.buffers)
     grads = storage_bytes([buf.grad_data for buf in opt.buffers] + [buf.grad_shard_data for buf in opt.buffers]
                           + [b.grad for buf in opt.buffers for b in buf.buckets])
@@ -35,9 +36,10 @@ def model_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
     return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer}
 
 
-def num_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:
-    """Parameters of the whole model (every stage, TP slices counted at full size, tied once)."""
-    local = sum(count_parameters(c, pstate.tp_size) for c in chunks)
+def counted_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:
+    """Parameters of the whole model (every stage, TP slices counted at full size, tied once), counted
+    from the built modules (``megazero.memory.num_parameters`` is the formula from the config)."""
+    local = sum(count_parameters(c, pstate.tp) for c in chunks)
     total = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
     if pstate.pp_group is not None:
         C.all_reduce(total, pstate.pp_group)
@@ -48,10 +50,10 @@ def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: Pa
     """The ``"event": "memory"`` metrics record of this rank."""
     buf = opt.buffers[0]
     return {
-        "event": "memory", "rank": pstate.rank, **model_state_bytes(opt),
-        "num_parameters": num_parameters(chunks, pstate),
+        "event": "memory", "rank": pstate.rank, **measured_state_bytes(opt),
+        "num_parameters": counted_parameters(chunks, pstate),
         "local_parameters": sum(p.numel() for b in opt.buffers for p in b.params),
-        "layout": {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "zero": opt.zero,
+        "layout": {"tp": pstate.tp, "pp": pstate.pp, "dp": pstate.dp, "zero": int(opt.zero),
                    "param_dtype": str(buf.param_data.dtype).replace("torch.", ""),
                    "main_grads_dtype": str(buf.grad_dtype).replace("torch.", ""),
                    "buckets": sum(len(b.buckets) for b in opt.buffers)},
@@ -60,9 +62,4 @@ def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: Pa
 
 def memory_records(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: ParallelState) -> list[dict]:
     """Every rank's memory record, gathered so the logging rank can write them all (call on all ranks)."""
-    import torch.distributed as dist
-
-    record = memory_record(opt, chunks, pstate)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [record]
-    return C.all_gather_object(record)
+    return C.all_gather_object(memory_record(opt, chunks, pstate), pstate.world_group)

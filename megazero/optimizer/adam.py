@@ -2,8 +2,9 @@
 
 The distributed optimizer owns, per bucket, one contiguous shard of fp32
 master weights and of the two moments. A shard spans pieces of several
-parameters, so weight decay (matrices only; not biases or norm weights) is
-applied per ``Segment``; everything else is one vectorised update per shard.
+parameters, so weight decay (``ParamSpec.weight_decay``: matrices, not biases
+or norm weights) is applied per ``Segment``; everything else is one vectorised
+update per shard.
 The formulas and their order are torch's single-tensor AdamW, so one process
 with this code reproduces ``torch.optim.AdamW`` on the same gradients.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..tensor_parallel.layers import spec_of
 from .buffers import Segment, merged_runs
 
 
@@ -46,9 +48,9 @@ class AdamHyper:
 
 
 def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (1-D) are not decayed."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    """``torch.optim`` groups with the decay rule of ``ParamSpec.weight_decay`` (for reference runs)."""
+    decay = [p for p in params if spec_of(p).weight_decay]
+    no_decay = [p for p in params if not spec_of(p).weight_decay]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

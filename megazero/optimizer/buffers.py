@@ -33,11 +33,6 @@ from ..tensor_parallel.layers import spec_of
 PAD_ALIGN = 16  # elements: keeps every shard 32/64-byte aligned for bf16/fp32 kernels
 
 
-def is_tied_embedding(p: torch.Tensor) -> bool:
-    """Either copy of a word embedding tied across the first and last pipeline stage."""
-    return getattr(p, "is_tied_embedding", False) or getattr(p, "is_embedding_copy", False)
-
-
 @dataclass
 class Segment:
     """The piece of one parameter inside this rank's shard of a bucket.
@@ -52,7 +47,7 @@ class Segment:
 
     @property
     def decay(self) -> bool:
-        return self.param.ndim >= 2  # biases and norm weights are not decayed
+        return spec_of(self.param).weight_decay
 
     @property
     def tp_sync(self) -> bool:
@@ -60,7 +55,7 @@ class Segment:
 
     @property
     def emb_sync(self) -> bool:
-        return is_tied_embedding(self.param)
+        return spec_of(self.param).tied_role is not None
 
 
 def merged_runs(segments: list[Segment], keep: Callable[[Segment], bool]) -> list[tuple[int, int]]:
@@ -118,11 +113,12 @@ def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int,
         pending = []
 
     for p in params:
-        if is_tied_embedding(p):
+        tied = spec_of(p).tied_role is not None
+        if tied:
             close()  # a tied embedding is alone in its bucket (same shards on both stages)
         offsets[p] = cursor + sum(q.numel() for q in pending)
         pending.append(p)
-        if is_tied_embedding(p) or sum(q.numel() for q in pending) >= bucket_size:
+        if tied or sum(q.numel() for q in pending) >= bucket_size:
             close()
     close()
     for b in buckets:

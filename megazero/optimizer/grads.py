@@ -1,4 +1,4 @@
-"""Gradient bookkeeping shared by every optimizer: which replicas to sum, and the global norm.
+"""Gradient bookkeeping shared by every optimizer: which replicas to sum, and what the global norm counts.
 
 Two kinds of parameters get gradients that are partial sums on some ranks:
 - sequence-parallel replicated parameters (norms, row-parallel biases): each TP rank
@@ -8,21 +8,23 @@ Two kinds of parameters get gradients that are partial sums on some ranks:
 
 The global norm counts every parameter of the full model exactly once: TP-split
 parameters on every TP rank, replicated ones on TP rank 0 only, the embedding
-copy on the last stage not at all; then one sum over the model-parallel group
-(plus the DP group when gradients are sharded over DP).
+copy on the last stage not at all; the step (``zero.py``) then sums over the
+model-parallel group, and the gradient-sync engine over the DP shards when sharded.
 """
 from __future__ import annotations
 
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import spec_of
 
 
-def _all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: "dist.ProcessGroup | None") -> None:
+    """Sum ``tensors`` over ``group`` in one collective (one flat copy instead of one call each)."""
     if group is None or not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -43,19 +45,15 @@ def sync_replicated_grads(params: Iterable[torch.nn.Parameter], pstate: Parallel
     """Sum sequence-parallel grads over TP and tied-embedding grads over the embedding group."""
     params = [p for p in params if grad_of(p) is not None]
     if pstate.tp_group is not None:
-        _all_reduce_coalesced([grad_of(p) for p in params if spec_of(p).sequence_parallel], pstate.tp_group)
+        all_reduce_coalesced([grad_of(p) for p in params if spec_of(p).sequence_parallel], pstate.tp_group)
     if pstate.embedding_group is not None:
-        tied = [grad_of(p) for p in params if _is_tied_embedding(p)]
-        _all_reduce_coalesced(tied, pstate.embedding_group)
-
-
-def _is_tied_embedding(p: torch.Tensor) -> bool:
-    return getattr(p, "is_tied_embedding", False) or getattr(p, "is_embedding_copy", False)
+        tied = [grad_of(p) for p in params if spec_of(p).tied_role is not None]
+        all_reduce_coalesced(tied, pstate.embedding_group)
 
 
 def counts_for_norm(p: torch.Tensor, pstate: ParallelState) -> bool:
     """Whether this rank's copy of ``p`` contributes to the global grad norm."""
-    if getattr(p, "is_embedding_copy", False):
+    if spec_of(p).tied_role == "embedding_copy":
         return False
     return spec_of(p).split_dim is not None or pstate.tp_rank == 0
 
@@ -88,20 +86,6 @@ def nonfinite_probe(grad: torch.Tensor, runs: list[tuple[int, int]], acc: torch.
     for lo, hi in runs:
         bad = (~torch.isfinite(grad[lo:hi])).any()
         acc += torch.where(bad, torch.full_like(acc, float("nan")), torch.zeros_like(acc))
-
-
-def global_norm(local_sq: torch.Tensor, pstate: ParallelState, sharded_over_dp: bool = False) -> float:
-    """sqrt of the sum of squares over model-parallel ranks (and DP shards when sharded).
-
-    NaN/inf on any rank makes the result non-finite on every rank (the sums carry it), so all ranks
-    take the same skip decision without another collective.
-    """
-    local_sq = local_sq.clone()
-    if pstate.model_parallel_group is not None:
-        C.all_reduce(local_sq, pstate.model_parallel_group)
-    if sharded_over_dp and pstate.dp_group is not None:
-        C.all_reduce(local_sq, pstate.dp_group)
-    return float(local_sq.sqrt())
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

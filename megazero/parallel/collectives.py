@@ -1,5 +1,14 @@
 """Every collective megazero issues goes through here, so its bytes can be counted.
 
+A group is a ``torch.distributed`` process group or ``None``, and ``None``
+only ever means "nothing to do": the group of one rank, where a reduction is
+the identity and a gather a copy. A world-wide collective names the world
+group (``ParallelState.world_group``) like any other; nothing here falls back
+to the default group.
+
+Each ``ParallelState`` owns a ``CommLedger`` and names its groups in it
+(``"tp"``, ``"dp"``, ``"pp"``, ``"mp"``, ``"emb"``, ``"world"``), so two
+worlds in one process never share counts and call sites pass only the group.
 The ledger counts what one rank *sends* per call, with the ring algorithms'
 standard accounting (N ranks in the group, B bytes of the full tensor):
 
@@ -9,9 +18,8 @@ standard accounting (N ranks in the group, B bytes of the full tensor):
     broadcast          B on the source rank (counted as (N-1)/N * B per rank, ring-pipelined)
     send               B
 
-keyed by (kind, axis), where the axis is the name ParallelState gave the
-group ("tp", "dp", "pp", "mp", "emb"). ZeRO's claim that stages 1 and 2 move
-as many bytes as DDP's all-reduce is checked against these numbers.
+keyed by (kind, axis). ZeRO's claim that stages 1 and 2 move as many bytes
+as DDP's all-reduce is checked against these numbers.
 
 With ``timing`` on (``--log-timers``) it also adds up, per axis, the seconds
 this rank spent blocked in collectives: the whole call for blocking ones,
@@ -20,41 +28,41 @@ with compute is not blocked time, and is not counted). On CPU that is host
 time (perf_counter). On CUDA a NCCL call returns once it is enqueued, so host
 time would measure nothing: there two CUDA events on the current stream time
 how long the compute stream stalls for the collective, read at ``take``.
-
-The ledger is process-wide measurement state, like torch's profiler: it
-records nothing unless enabled, and the trainer reads and resets it per step.
 """
 from __future__ import annotations
 
 import contextlib
+import pickle
 import time
+import weakref
 from collections import defaultdict
-from typing import Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+Group = Optional[dist.ProcessGroup]  # None: a group of one rank, nothing to do
+
 
 class CommLedger:
+    """Bytes and blocked seconds of one ``ParallelState``'s collectives; records nothing unless enabled."""
+
     def __init__(self) -> None:
         self.enabled = False
         self.timing = False
         self.wait_s: dict[str, float] = defaultdict(float)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self.axis_names: dict[int, str] = {}
         self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA spans not read yet
 
-    def name_group(self, group, name: str) -> None:
+    def name_group(self, group: Group, name: str) -> None:
+        """Charge ``group``'s collectives to this ledger under axis ``name``."""
         if group is not None:
-            self.axis_names[id(group)] = name
+            _OWNER[group] = (self, name)
 
-    def axis(self, group) -> str:
-        return self.axis_names.get(id(group), "world" if group is None else "other")
-
-    def add(self, kind: str, group, nbytes: float) -> None:
+    def add(self, kind: str, axis: str, nbytes: float) -> None:
         if self.enabled:
-            key = (kind, self.axis(group))
+            key = (kind, axis)
             self.bytes[key] += int(round(nbytes))
             self.calls[key] += 1
 
@@ -95,32 +103,60 @@ class CommLedger:
         return out
 
 
-LEDGER = CommLedger()
+# group -> (its owner's ledger, axis name): a lookup, not counts; entries go with their groups
+_OWNER: "weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[CommLedger, str]]" = weakref.WeakKeyDictionary()
+_UNOWNED = CommLedger()  # groups no ParallelState named (a test's own group): never enabled, never counted
+
+
+def _owner(group: dist.ProcessGroup) -> tuple[CommLedger, str]:
+    return _OWNER.get(group, (_UNOWNED, "other"))
+
+
+class _Done:
+    """The handle of an asynchronous collective on ``None``: there was nothing to wait for."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class _TimedWork:
     """An async collective's handle whose ``wait()`` adds the blocked time to the ledger."""
 
-    def __init__(self, work, axis: str, device: torch.device) -> None:
-        self.work, self.axis, self.device = work, axis, device
+    def __init__(self, work, ledger: CommLedger, axis: str, device: torch.device) -> None:
+        self.work, self.ledger, self.axis, self.device = work, ledger, axis, device
 
     def wait(self, *args):
-        with LEDGER.blocked(self.axis, self.device):
+        with self.ledger.blocked(self.axis, self.device):
             return self.work.wait(*args)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
 
-def _timed(group, call, async_op: bool, device: torch.device):
-    """Run a collective; with timing on, charge its blocked time to the group's axis."""
-    if not LEDGER.timing:
+def _issue(kind: str, group: dist.ProcessGroup, nbytes: float, call: Callable[[], Any], async_op: bool,
+           device: torch.device):
+    """Count a collective on its group's ledger and run it; with timing on, charge its blocked time."""
+    ledger, axis = _owner(group)
+    ledger.add(kind, axis, nbytes)
+    if not ledger.timing:
         return call()
-    axis = LEDGER.axis(group)
     if async_op:
-        return _TimedWork(call(), axis, device)
-    with LEDGER.blocked(axis, device):
+        return _TimedWork(call(), ledger, axis, device)
+    with ledger.blocked(axis, device):
         return call()
+
+
+def _nothing(async_op: bool) -> _Done | None:
+    return _Done() if async_op else None
+
+
+def _copy(out: torch.Tensor, t: torch.Tensor) -> None:
+    """The gather or scatter of one rank: ``out`` is ``t``."""
+    if out.data_ptr() != t.data_ptr():
+        out.copy_(t)
 
 
 # newer torch renamed the flat-tensor collectives (the old names warn); older torch has only the old ones
@@ -128,56 +164,83 @@ _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
-def _size(group) -> int:
-    return dist.get_world_size(group)
-
-
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM, async_op: bool = False):
-    n = _size(group)
-    LEDGER.add("all_reduce", group, 2 * (n - 1) / n * _nbytes(t))
-    return _timed(group, lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, t.device)
+def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    if group is None:
+        return _nothing(async_op)
+    n = dist.get_world_size(group)
+    return _issue("all_reduce", group, 2 * (n - 1) / n * _nbytes(t),
+                  lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, t.device)
 
 
-def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group, async_op: bool = False):
-    n = _size(group)
-    LEDGER.add("all_gather", group, (n - 1) / n * _nbytes(out))
-    return _timed(group, lambda: _ALL_GATHER(out, t, group=group, async_op=async_op), async_op, t.device)
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
+    if group is None:
+        _copy(out, t)
+        return _nothing(async_op)
+    n = dist.get_world_size(group)
+    return _issue("all_gather", group, (n - 1) / n * _nbytes(out),
+                  lambda: _ALL_GATHER(out, t, group=group, async_op=async_op), async_op, t.device)
 
 
-def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group, op=dist.ReduceOp.SUM,
+def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM,
                           async_op: bool = False):
-    n = _size(group)
-    LEDGER.add("reduce_scatter", group, (n - 1) / n * _nbytes(t))
-    return _timed(group, lambda: _REDUCE_SCATTER(out, t, op=op, group=group, async_op=async_op), async_op, t.device)
+    if group is None:
+        _copy(out, t)
+        return _nothing(async_op)
+    n = dist.get_world_size(group)
+    return _issue("reduce_scatter", group, (n - 1) / n * _nbytes(t),
+                  lambda: _REDUCE_SCATTER(out, t, op=op, group=group, async_op=async_op), async_op, t.device)
 
 
-def broadcast(t: torch.Tensor, src: int, group, async_op: bool = False):
-    n = _size(group)
-    LEDGER.add("broadcast", group, (n - 1) / n * _nbytes(t))
-    return _timed(group, lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op, t.device)
+def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False):
+    """``src`` is a global rank, as in ``torch.distributed``."""
+    if group is None:
+        return _nothing(async_op)
+    n = dist.get_world_size(group)
+    return _issue("broadcast", group, (n - 1) / n * _nbytes(t),
+                  lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op, t.device)
 
 
-def batch_isend_irecv(ops: list[dist.P2POp], group) -> list:
+def batch_isend_irecv(ops: list[dist.P2POp], group: Group) -> list:
     """Point-to-point ops issued together; counts the bytes of the sends."""
+    assert group is not None or not ops, "point-to-point ops need the group of their peers"
+    if not ops:
+        return []
+    ledger, axis = _owner(group)
     for op in ops:
         if op.op in (dist.isend, dist.send):
-            LEDGER.add("send", group, _nbytes(op.tensor))
+            ledger.add("send", axis, _nbytes(op.tensor))
     works = dist.batch_isend_irecv(ops)
-    if not LEDGER.timing:
+    if not ledger.timing:
         return works
-    return [_TimedWork(w, LEDGER.axis(group), op.tensor.device) for w, op in zip(works, ops)]
+    return [_TimedWork(w, ledger, axis, op.tensor.device) for w, op in zip(works, ops)]
 
 
-def all_gather_object(obj, group=None) -> list:
-    """Every rank's picklable ``obj`` (start-up metadata such as memory records), in rank order."""
-    import pickle
-
-    n = _size(group)
-    LEDGER.add("all_gather_object", group, (n - 1) * len(pickle.dumps(obj)))
+def all_gather_object(obj: Any, group: Group) -> list:
+    """Every rank's picklable ``obj`` (start-up metadata such as memory records), in group rank order."""
+    if group is None:
+        return [obj]
+    n = dist.get_world_size(group)
+    ledger, axis = _owner(group)
+    ledger.add("all_gather_object", axis, (n - 1) * len(pickle.dumps(obj)))
     out: list = [None] * n
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def broadcast_object(obj: Any, src: int, group: Group) -> Any:
+    """Global rank ``src``'s picklable ``obj`` on every rank of ``group`` (pass anything elsewhere)."""
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: Group) -> None:
+    """Wait until every rank of ``group`` gets here."""
+    if group is not None:
+        dist.barrier(group=group)

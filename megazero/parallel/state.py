@@ -4,25 +4,28 @@ Code receives it (or the single group it needs) as an argument; nothing
 reads parallel state from module globals, so two worlds in one test session
 cannot leak into each other. A group of size 1 is stored as ``None``: every
 communication op treats ``None`` as "nothing to do", which lets the same
-code run in one process without ``torch.distributed`` at all.
+code run in one process without ``torch.distributed`` at all. The world is a
+named group too (``world_group``); no collective falls back to it implicitly.
+Each state counts its own collectives in its ``ledger``.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from .collectives import LEDGER
+from .collectives import CommLedger, Group
 from .layout import Coords, Layout
 
-def group_size(group: "dist.ProcessGroup | None") -> int:
+
+def group_size(group: Group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: "dist.ProcessGroup | None") -> int:
+def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -32,11 +35,13 @@ class ParallelState:
     rank: int
     coords: Coords
     device: torch.device
-    tp_group: "dist.ProcessGroup | None" = None
-    dp_group: "dist.ProcessGroup | None" = None
-    pp_group: "dist.ProcessGroup | None" = None
-    model_parallel_group: "dist.ProcessGroup | None" = None
-    embedding_group: "dist.ProcessGroup | None" = None
+    tp_group: Group = None
+    dp_group: Group = None
+    pp_group: Group = None
+    model_parallel_group: Group = None
+    embedding_group: Group = None
+    world_group: Group = None  # every rank (stop signal, checkpoint votes, start-up records)
+    ledger: CommLedger = field(default_factory=CommLedger)  # bytes and blocked time of these groups
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -54,7 +59,7 @@ class ParallelState:
         assert dist.is_initialized(), "init_distributed() first"
         assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
         rank = dist.get_rank()
-        mine: dict[str, "dist.ProcessGroup | None"] = {}
+        mine: dict[str, Group] = {}
         for name, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()),
                              ("pp", layout.pp_groups()), ("mp", layout.model_parallel_groups()),
                              ("emb", layout.embedding_groups())):
@@ -65,11 +70,14 @@ class ParallelState:
                 handle = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     mine[name] = handle
+        mine["world"] = dist.group.WORLD if layout.world_size > 1 else None
+        ledger = CommLedger()
         for name, handle in mine.items():
-            LEDGER.name_group(handle, name)
+            ledger.name_group(handle, name)
         return cls(layout=layout, rank=rank, coords=layout.coords(rank), device=torch.device(device),
                    tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
-                   model_parallel_group=mine["mp"], embedding_group=mine["emb"])
+                   model_parallel_group=mine["mp"], embedding_group=mine["emb"], world_group=mine["world"],
+                   ledger=ledger)
 
     # -- where this rank sits ---------------------------------------------------------------
     @property
@@ -84,16 +92,17 @@ class ParallelState:
     def pp_rank(self) -> int:
         return self.coords.pp
 
+    # -- the degrees: one spelling, as in Layout, RunPlan and the config (``tp``, ``dp``, ``pp``) --------
     @property
-    def tp_size(self) -> int:
+    def tp(self) -> int:
         return self.layout.tp
 
     @property
-    def dp_size(self) -> int:
+    def dp(self) -> int:
         return self.layout.dp
 
     @property
-    def pp_size(self) -> int:
+    def pp(self) -> int:
         return self.layout.pp
 
     @property
@@ -102,7 +111,7 @@ class ParallelState:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == self.pp - 1
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the given pipeline stage in this rank's pipeline."""

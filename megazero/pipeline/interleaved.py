@@ -5,8 +5,10 @@ then the same group through chunk 1, ..., before the next group - so virtual
 step k (0 <= k < m*v) is micro-batch ``(k // (p*v)) * p + k % p`` on chunk
 ``(k % (p*v)) // p`` (backwards visit the chunks in reverse). This needs m
 divisible by p (validated in ``Config.check_pipeline``). Like 1F1B it has a
-warm-up, a steady phase in which each forward is paired with a backward and
-the transfers of both go out as one batch, and a cool-down.
+warm-up, a steady phase in which each forward is paired with a backward (the
+forward's transfers fly while the backward computes), and a cool-down. The
+ends of the pipeline depend on the chunk here, so the phases call the stage
+link's verbs directly, saying what to send and receive.
 
 Each transfer is decided from the *other* side's position: the first stage
 receives from the last stage the output of the forward the last stage ran p-1
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .schedules import StepRunner
+from .runner import StepRunner
 
 
 class _Interleaved:
@@ -24,7 +26,7 @@ class _Interleaved:
 
     def __init__(self, run: StepRunner) -> None:
         self.run = run
-        self.pp, self.rank, self.vp, self.m = run.pstate.pp_size, run.pstate.pp_rank, run.vp, run.m
+        self.pp, self.rank, self.vp, self.m = run.pstate.pp, run.pstate.pp_rank, run.vp, run.m
         assert self.m % self.pp == 0, f"interleaving needs micro-batches ({self.m}) divisible by pp ({self.pp})"
         self.total = self.m * self.vp
         self.inputs: list[list[torch.Tensor | None]] = [[] for _ in range(self.vp)]
@@ -60,18 +62,18 @@ class _Interleaved:
     def run_warmup(self, warmup: int) -> None:
         link, run = self.run.link, self.run
         if not run.first:
-            self.inputs[0].append(link.exchange(recv_prev=True)[0])
+            self.inputs[0].append(link.recv_forward())
         for k in range(warmup):
             y = self.forward(k)
             next_chunk = self.chunk_id(k + 1, True)
             recv_prev = not (run.first and next_chunk == 0) and k != self.total - 1
             # the last warm-up step also fetches the first output gradient for the steady phase
             recv_next = k == warmup - 1 and warmup < self.total and not run.last
-            x, dy = link.exchange(send_next=y, recv_prev=recv_prev, recv_next=recv_next)
+            got = link.send_forward_recv_forward_backward(y, recv_forward=recv_prev, recv_backward=recv_next)
             if recv_prev:
-                self.inputs[next_chunk].append(x)
+                self.inputs[next_chunk].append(got.activation)
             if recv_next:
-                self.grads[self.vp - 1].append(dy)
+                self.grads[self.vp - 1].append(got.grad)
 
     def run_steady(self, warmup: int) -> None:
         link, run, pp = self.run.link, self.run, self.pp
@@ -93,10 +95,10 @@ class _Interleaved:
             else:
                 next_bwd = self.chunk_id(i + 1, False)
             # the forward's transfers fly while this step's backward computes (Megatron's overlap_p2p_comm)
-            forward_transfer = link.post(send_next=y, recv_prev=recv_prev)
+            forward_transfer = link.start_send_forward_recv_forward(y, recv=recv_prev)
             dx = self.backward(i)
-            dy = link.post(send_prev=dx, recv_next=recv_next).wait()[1]
-            x = forward_transfer.wait()[0]
+            dy = link.send_backward_recv_backward(dx, recv=recv_next)
+            x = forward_transfer.wait().activation
             if recv_prev:
                 self.inputs[next_fwd].append(x)
             if recv_next:
@@ -105,12 +107,12 @@ class _Interleaved:
     def run_cooldown(self, warmup: int) -> None:
         link, run = self.run.link, self.run
         if warmup == self.total and not run.last:
-            self.grads[self.vp - 1].append(link.exchange(recv_next=True)[1])
+            self.grads[self.vp - 1].append(link.recv_backward())
         for k in range(self.total - warmup, self.total):
             dx = self.backward(k)
             next_chunk = self.chunk_id(k + 1, False)
             recv_next = not (run.last and next_chunk == self.vp - 1) and k != self.total - 1
-            dy = link.exchange(send_prev=dx, recv_next=recv_next)[1]
+            dy = link.send_backward_recv_backward(dx, recv=recv_next)
             if recv_next:
                 self.grads[next_chunk].append(dy)
 
@@ -119,6 +121,6 @@ def interleaved_1f1b(run: StepRunner) -> None:
     """Interleaved 1F1B: warm-up, steady one-forward-one-backward, cool-down, over v chunks."""
     sched = _Interleaved(run)
     warmup = sched.warmup_steps()
-    sched.run_warmup(warmup)
-    sched.run_steady(warmup)
-    sched.run_cooldown(warmup)
+    sched.run_warmup(warmup)  # forwards only, filling every chunk of the pipeline
+    sched.run_steady(warmup)  # one forward and one backward per virtual step
+    sched.run_cooldown(warmup)  # the remaining backwards

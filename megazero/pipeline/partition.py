@@ -20,7 +20,8 @@ from ..config import Config, ConfigError
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.state import ParallelState
-from ..tensor_parallel.layers import initialize_parameters
+from ..run_plan import RunPlan
+from ..tensor_parallel.layers import initialize_parameters, spec_of
 from ..tensor_parallel.random import DropoutRNG
 
 
@@ -34,24 +35,25 @@ def chunk_layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[list[range
             for r in range(pp)]
 
 
-def build_chunks(cfg: Config, pstate: ParallelState, vp: int = 1) -> list[nn.Module]:
-    """This rank's ``vp`` model chunks, initialised as slices of the seeded full model.
+def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
+    """This rank's ``plan.virtual_stages`` model chunks, initialised as slices of the seeded full model.
 
     With tied embeddings split over stages, both copies of the word embedding are
     marked so the optimizer sums their gradients over the embedding group: the
-    last stage's copy is ``is_embedding_copy`` (GPTModel marks it), the first
-    stage's original ``is_tied_embedding``.
+    last stage's copy has ``ParamSpec.tied_role`` "embedding_copy" (GPTModel marks
+    it), the first stage's original "embedding".
     """
+    vp = plan.virtual_stages
     rng = DropoutRNG(cfg.training.seed, pstate.tp_rank, pstate.device)  # streams per global layer
     ctx = TPContext(group=pstate.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
-    ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp_size, vp)[pstate.pp_rank]
+    ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []
     for c, layer_ids in enumerate(ranges):
         model = GPTModel(cfg.model, ctx, layer_ids=layer_ids,
                          pre_process=pstate.is_first_stage and c == 0,
                          post_process=pstate.is_last_stage and c == vp - 1)
-        if model.pre_process and pstate.pp_size > 1 and cfg.model.tied_embeddings:
-            model.embedding.word.weight.is_tied_embedding = True
+        if model.pre_process and pstate.pp > 1 and cfg.model.tied_embeddings:
+            spec_of(model.embedding.word.weight).tied_role = "embedding"
         initialize_parameters(model, cfg.training.seed, pstate.tp_group)
         chunks.append(model.to(pstate.device))
     return chunks

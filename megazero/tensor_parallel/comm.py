@@ -7,22 +7,59 @@ pair by all-gather / reduce-scatter along the sequence (dim 0 of our
 ``[s, b, h]`` activations). Each op takes its group; ``None`` (a TP size of
 1) makes it the identity. Collectives write into fresh tensors so autograd
 never sees a shared gradient modified in place.
+
+``f`` has no Function of its own: ``ColumnParallelLinear`` fuses it with its
+GEMMs (``layers.py``) to hide the backward all-reduce behind the weight
+gradient, using the dim-0 primitives below, which can run asynchronously.
 """
 from __future__ import annotations
+
+from typing import Any, NamedTuple
 
 import torch
 
 from ..parallel import collectives as C
+from ..parallel.collectives import Group
 from ..parallel.state import group_rank, group_size
 
 
 # -- raw collectives on a group ------------------------------------------------------------
+class InFlight(NamedTuple):
+    """A collective's result and the handle to wait for before reading it (None: already done)."""
+
+    result: torch.Tensor
+    work: Any = None
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+        return self.result
+
+
+def all_reduce_in_place(x: torch.Tensor, group: Group, async_op: bool = False) -> InFlight:
+    """Sum ``x`` over ``group`` into ``x`` itself (into a contiguous copy when ``x`` is not contiguous)."""
+    out = x.contiguous()
+    return InFlight(out, C.all_reduce(out, group, async_op=async_op))
+
+
+def all_gather_first_dim(x: torch.Tensor, group: Group, async_op: bool = False) -> InFlight:
+    """Concatenate every rank's ``x`` along dim 0 (the sequence of ``[s, b, h]``)."""
+    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
+    return InFlight(out, C.all_gather_into_tensor(out, x.contiguous(), group, async_op=async_op))
+
+
+def reduce_scatter_first_dim(x: torch.Tensor, group: Group, async_op: bool = False) -> InFlight:
+    """Sum ``x`` over ``group`` and keep this rank's chunk of dim 0."""
+    size = group_size(group)
+    assert x.shape[0] % size == 0, f"dim 0 of {tuple(x.shape)} does not split over {size} ranks"
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    return InFlight(out, C.reduce_scatter_tensor(out, x.contiguous(), group, async_op=async_op))
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
-    out = x.contiguous().clone()
-    C.all_reduce(out, group)
-    return out
+    return all_reduce_in_place(x.contiguous().clone(), group).wait()
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -35,40 +72,18 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 
 def _gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = group_size(group)
-    if size == 1:
+    if group_size(group) == 1:
         return x
-    x = x.movedim(dim, 0).contiguous()
-    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    C.all_gather_into_tensor(out, x, group)
-    return out.movedim(0, dim)
+    return all_gather_first_dim(x.movedim(dim, 0).contiguous(), group).wait().movedim(0, dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    size = group_size(group)
-    if size == 1:
+    if group_size(group) == 1:
         return x
-    x = x.movedim(dim, 0).contiguous()
-    assert x.shape[0] % size == 0, f"dim {dim} of {tuple(x.shape)} does not split over {size} ranks"
-    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    C.reduce_scatter_tensor(out, x, group)
-    return out.movedim(0, dim)
+    return reduce_scatter_first_dim(x.movedim(dim, 0).contiguous(), group).wait().movedim(0, dim)
 
 
 # -- autograd Functions ----------------------------------------------------------------------
-class _CopyToRegion(torch.autograd.Function):
-    """f: forward identity / backward all-reduce (before a column-parallel layer)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
 class _ReduceFromRegion(torch.autograd.Function):
     """g: forward all-reduce / backward identity (after a row-parallel layer).
 
@@ -87,19 +102,6 @@ class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
-
-
-class _ScatterToRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim / backward: all-gather it."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, -1, ctx.group), None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -128,22 +130,6 @@ class _ScatterToSequence(torch.autograd.Function):
         return _gather(grad, 0, ctx.group), None
 
 
-class _GatherFromSequence(torch.autograd.Function):
-    """Forward: all-gather the sequence / backward: reduce-scatter it (the consumer is a
-    TP layer whose input grads are partial sums) or just split it (replicated consumer)."""
-
-    @staticmethod
-    def forward(ctx, x, group, reduce_grad):
-        ctx.group, ctx.reduce_grad = group, reduce_grad
-        return _gather(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.reduce_grad:
-            return _reduce_scatter(grad, 0, ctx.group), None, None
-        return _split(grad, 0, ctx.group), None, None
-
-
 class _ReduceScatterToSequence(torch.autograd.Function):
     """Forward: reduce-scatter along the sequence / backward: all-gather it."""
 
@@ -158,30 +144,18 @@ class _ReduceScatterToSequence(torch.autograd.Function):
 
 
 # -- public wrappers -----------------------------------------------------------------------------
-def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
-
-
-def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum ``x`` over TP ranks, in place: pass a fresh partial result that nothing else uses."""
     return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    return x if group_size(group) == 1 else _ScatterToRegion.apply(x, group)
-
-
-def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_tensor_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromRegion.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group_size(group) == 1 else _ScatterToSequence.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, reduce_grad: bool = True) -> torch.Tensor:
-    return x if group_size(group) == 1 else _GatherFromSequence.apply(x, group, reduce_grad)
-
-
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group_size(group) == 1 else _ReduceScatterToSequence.apply(x, group)

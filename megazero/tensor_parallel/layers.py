@@ -14,15 +14,18 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
-from .comm import (gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
+from .comm import (all_gather_first_dim, all_reduce_in_place, gather_from_tensor_parallel_region,
+                   reduce_from_tensor_parallel_region, reduce_scatter_first_dim,
                    reduce_scatter_to_sequence_parallel_region)
+
+TiedRole = Literal[None, "embedding", "embedding_copy"]
 
 
 @dataclass
@@ -34,6 +37,10 @@ class ParamSpec:
         gradient is a partial sum to all-reduce over TP.
     init_std: normal(0, std) when set, else the constant ``init_value``.
     valid_rows: rows past this (vocabulary padding) are zero and stay zero.
+    weight_decay: AdamW decays it; by default matrices only, not biases and norm weights (1-D).
+    tied_role: the word embedding tied across the first and last pipeline stage: "embedding" on
+        the first stage, "embedding_copy" on the last. Their grads are summed over the embedding
+        group, they get a bucket of their own, and the grad norm counts the original only.
     """
 
     split_dim: int | None = None
@@ -41,15 +48,24 @@ class ParamSpec:
     init_std: float | None = None
     init_value: float = 0.0
     valid_rows: int | None = None
+    weight_decay: bool = True
+    tied_role: TiedRole = None
+
+
+def _decays(param: torch.Tensor) -> bool:
+    """The weight-decay rule: matrices are decayed; biases and norm weights (1-D) are not."""
+    return param.ndim >= 2
 
 
 def set_spec(param: nn.Parameter, **kwargs) -> nn.Parameter:
+    kwargs.setdefault("weight_decay", _decays(param))
     param.spec = ParamSpec(**kwargs)
     return param
 
 
 def spec_of(param: torch.Tensor) -> ParamSpec:
-    return getattr(param, "spec", ParamSpec())
+    spec = getattr(param, "spec", None)
+    return ParamSpec(weight_decay=_decays(param)) if spec is None else spec
 
 
 def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
@@ -97,7 +113,7 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, sequence_parallel):
         ctx.group, ctx.sequence_parallel, ctx.has_bias = group, sequence_parallel, bias is not None
-        total = _gather_sequence(x, group) if sequence_parallel else x
+        total = all_gather_first_dim(x, group).wait() if sequence_parallel else x
         ctx.save_for_backward(x, weight)
         return F.linear(total, weight, bias)
 
@@ -105,29 +121,18 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         group, sp = ctx.group, ctx.sequence_parallel
-        gather = None
-        if sp:  # re-gather the input for dA while dX is computed
-            total = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-            gather = C.all_gather_into_tensor(total, x.contiguous(), group, async_op=True)
+        gather = all_gather_first_dim(x, group, async_op=True) if sp else None  # the input for dA, while dX runs
         grad_input = grad_out.matmul(weight)
         if sp:
-            gather.wait()
-            out = grad_input.new_empty((grad_input.shape[0] // group_size(group), *grad_input.shape[1:]))
-            reduce = C.reduce_scatter_tensor(out, grad_input.contiguous(), group, async_op=True)
+            total = gather.wait()
+            reduce = reduce_scatter_first_dim(grad_input, group, async_op=True)
         else:
-            total, out = x, grad_input.contiguous()
-            reduce = C.all_reduce(out, group, async_op=True)
+            total = x
+            reduce = all_reduce_in_place(grad_input, group, async_op=True)
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = grad_2d.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        reduce.wait()
-        return out, grad_weight, grad_bias, None, None
-
-
-def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
-    out = x.new_empty((group_size(group) * x.shape[0], *x.shape[1:]))
-    C.all_gather_into_tensor(out, x.contiguous(), group)
-    return out
+        return reduce.wait(), grad_weight, grad_bias, None, None
 
 
 class ColumnParallelLinear(nn.Module):

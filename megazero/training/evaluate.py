@@ -23,38 +23,42 @@ def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=pstate.device)
     if losses and pstate.dp_group is not None:
         C.all_reduce(loss, pstate.dp_group)
-        loss /= pstate.dp_size
+        loss /= pstate.dp
     if pstate.pp_group is not None:  # only the last stage computed it
-        C.broadcast(loss, pstate.stage_rank(pstate.pp_size - 1), pstate.pp_group)
+        C.broadcast(loss, pstate.stage_rank(pstate.pp - 1), pstate.pp_group)
     return float(loss)
 
 
 @torch.no_grad()
-def forward_only(chunks: list[nn.Module], tokens: torch.Tensor, pstate: ParallelState) -> torch.Tensor | None:
-    """The loss of one micro-batch [b, s+1] on the last stage (None elsewhere)."""
-    pp, vp = pstate.pp_size, len(chunks)
+def forward_only(chunks: list[nn.Module], tokens: torch.Tensor, pstate: ParallelState,
+                 stage_shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor | None:
+    """The loss of one micro-batch [b, s+1] on the last stage (None elsewhere).
+
+    ``stage_shape`` and ``dtype`` are the activations' between stages (``RunPlan.stage_shape``,
+    ``RunPlan.compute_dtype``), as in training.
+    """
+    pp, vp = pstate.pp, len(chunks)
     if pp == 1 and vp == 1:
         return chunks[0](tokens[:, :-1], tokens[:, 1:])
-    model = chunks[0]
-    seq = model.cfg.seq_length // (model.ctx.size if model.ctx.sequence_parallel else 1)
-    link = StageLink(pstate, (seq, tokens.shape[0], model.cfg.hidden_size), next(model.parameters()).dtype)
+    link = StageLink(pstate, stage_shape, dtype)
     loss, x = None, None
     for k in range(pp * vp):
         if k % pp != pstate.pp_rank:
             continue
         chunk = chunks[k // pp]
         if k > 0:
-            x = link.exchange(recv_prev=True)[0].detach()
+            x = link.recv_forward().detach()
         out = chunk(tokens[:, :-1] if chunk.pre_process else x, tokens[:, 1:] if chunk.post_process else None)
         if chunk.post_process:
             loss = out
         else:
-            link.exchange(send_next=out)
+            link.send_forward(out)
     link.flush()
     return loss
 
 
-def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: ParallelState) -> dict[str, float]:
+def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: ParallelState,
+             stage_shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, float]:
     """Mean validation loss and perplexity over ``eval_iters`` global batches."""
     for chunk in chunks:
         chunk.eval()
@@ -62,7 +66,7 @@ def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: Parallel
     try:
         for _ in range(eval_iters):
             for tokens in batches.next_step():
-                loss = forward_only(chunks, tokens.to(pstate.device), pstate)
+                loss = forward_only(chunks, tokens.to(pstate.device), pstate, stage_shape, dtype)
                 if loss is not None:
                     losses.append(loss.float())
     finally:

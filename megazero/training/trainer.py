@@ -21,12 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config
+from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
+from ..pipeline.runner import Schedule
 from .evaluate import evaluate, reduce_loss
-from .flops import achieved_tflops, device_peak_tflops, flops_per_token
-from .logging import MetricsLog, format_eval, format_iteration, peak_memory_bytes
+from .flops import achieved_tflops, device_peak_tflops
+from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
 from .step_record import StepRecorder
 
 
@@ -88,17 +90,16 @@ class StopSignal:
             signal.signal(sig, handler)
         self.previous.clear()
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank when any rank was signalled (one tiny all-reduce)."""
-        flag = torch.tensor([float(self.received)], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            C.all_reduce(flag, None, op=dist.ReduceOp.MAX)
+    def agreed(self, pstate: ParallelState) -> bool:
+        """True on every rank when any rank was signalled (one tiny all-reduce over the world)."""
+        flag = torch.tensor([float(self.received)], device=pstate.device)
+        C.all_reduce(flag, pstate.world_group, op=dist.ReduceOp.MAX)
         return bool(flag.item() > 0)
 
 
 class Trainer:
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-                 schedule: Callable, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
+                 schedule: Schedule, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
                  eval_batches: Callable[[], Any] | None = None, save: Callable[[int], None] | None = None, wandb: Any = None) -> None:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
         self.optimizer, self.schedule, self.batches, self.log = optimizer, schedule, batches, log
@@ -110,8 +111,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)
         self.peak_tflops = device_peak_tflops(pstate.device)
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
-        C.LEDGER.enabled = True  # bytes sent per collective kind and group, taken per step
-        C.LEDGER.timing = cfg.logging.log_timers
+        pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
+        pstate.ledger.timing = cfg.logging.log_timers
 
     def train_step(self) -> tuple[float, Any, float]:
         """Run one global batch; returns (mean loss over the global batch, optimizer result, lr)."""
@@ -162,13 +163,12 @@ class Trainer:
             "skipped_iterations": self.skipped, "nan_iterations": self.nan_iterations,
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
             "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
-            "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": C.LEDGER.take(),
+            "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
         }
         if self.cfg.logging.log_timers:
-            record["comm_wait_s"] = C.LEDGER.take_wait_seconds()
-        timeline = getattr(self.schedule, "timeline", None)
-        if timeline is not None:  # this rank's idle share of its schedule call
-            record["bubble_fraction"] = timeline.last_bubble_fraction()
+            record["comm_wait_s"] = self.pstate.ledger.take_wait_seconds()
+        if self.schedule.timeline is not None:  # this rank's idle share of its schedule call
+            record["bubble_fraction"] = self.schedule.timeline.last_bubble_fraction()
         return record
 
     def _emit(self, record: dict[str, Any], line: str) -> None:
@@ -179,7 +179,8 @@ class Trainer:
                 self.wandb.log(record, step=record["iteration"])
 
     def _evaluate(self) -> dict[str, Any]:
-        result = evaluate(self.chunks, self.eval_batches(), self.cfg.training.eval_iters, self.pstate)
+        result = evaluate(self.chunks, self.eval_batches(), self.cfg.training.eval_iters, self.pstate,
+                          self.schedule.stage_shape, self.schedule.dtype)
         record = {"event": "eval", "iteration": self.iteration, **result}
         self._emit(record, format_eval(record))
         return record
@@ -192,7 +193,7 @@ class Trainer:
             stop.install()
         try:
             while self.iteration < t.train_iters:
-                C.LEDGER.take_wait_seconds()
+                self.pstate.ledger.take_wait_seconds()
                 start = time.perf_counter()
                 loss, result, lr = self.train_step()
                 elapsed = time.perf_counter() - start
@@ -205,12 +206,12 @@ class Trainer:
                     records.append(record)
                     self._emit(record, format_iteration(record))
                 else:
-                    C.LEDGER.take()
+                    self.pstate.ledger.take()
                 self._check_skips(loss, result)
                 if self.eval_batches is not None and t.eval_interval and (
                         self.iteration % t.eval_interval == 0 or last):
                     records.append(self._evaluate())
-                signalled = self.save is not None and stop.agreed(self.pstate.device)
+                signalled = self.save is not None and stop.agreed(self.pstate)
                 interval = self.cfg.checkpoint.save_interval
                 if self.save is not None and (last or signalled or (interval and self.iteration % interval == 0)):
                     self.save(self.iteration)
@@ -219,7 +220,6 @@ class Trainer:
                     break
         finally:
             stop.restore()
-        timeline = getattr(self.schedule, "timeline", None)
-        if timeline is not None and self.cfg.logging.timeline:
-            timeline.write(self.cfg.logging.timeline)
+        if self.schedule.timeline is not None and self.cfg.logging.timeline:
+            self.schedule.timeline.write(self.cfg.logging.timeline)
         return records

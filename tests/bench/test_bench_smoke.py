@@ -22,10 +22,10 @@ def _count_both(pstate) -> dict:
                        ("reduce_scatter", lambda: C.reduce_scatter_tensor(out, x, g)),
                        ("all_gather", lambda: C.all_gather_into_tensor(x, out, g)),
                        ("broadcast", lambda: C.broadcast(x, 0, g))):
-        C.LEDGER.enabled = counter.enabled = True
+        pstate.ledger.enabled = counter.enabled = True
         call()
-        C.LEDGER.enabled = counter.enabled = False
-        checks[kind] = (counter.take().get(kind), C.LEDGER.take().get(f"{kind}/dp"))
+        pstate.ledger.enabled = counter.enabled = False
+        checks[kind] = (counter.take().get(kind), pstate.ledger.take().get(f"{kind}/dp"))
     peer = 1 - pstate.rank
     ops = [torch.distributed.P2POp(torch.distributed.isend, x, peer),
            torch.distributed.P2POp(torch.distributed.irecv, torch.empty(1000), peer)]

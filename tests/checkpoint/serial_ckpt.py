@@ -15,6 +15,7 @@ from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
+from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 
 
@@ -29,8 +30,8 @@ def build(arch: str = "gpt2", hidden: int = 32):
 
 def save(root: str, iteration: int) -> str:
     cfg, pstate, chunks, optimizer = build()
-    return save_checkpoint(root, iteration=iteration, consumed_samples=8 * iteration, cfg=cfg, pstate=pstate,
-                           chunks=chunks, optimizer=optimizer)
+    return save_checkpoint(root, iteration=iteration, consumed_samples=8 * iteration, cfg=cfg,
+                           plan=RunPlan.resolve(cfg, pstate.layout), pstate=pstate, chunks=chunks, optimizer=optimizer)
 
 
 def _hang_mid_write() -> None:

@@ -144,8 +144,10 @@ def test_llama3_hf_to_megazero_to_hf(hf_dirs, tmp_path):
         theirs = hf(ids).logits
     ours = model.full_logits(ids)
     assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
-    cfg.model.rope_scaling_type = None  # the check can fail: dropping the scaling moves the logits
-    unscaled = GPTModel(cfg.model, TPContext()).eval()
+    # the check can fail: dropping the scaling (type and its values back to the defaults) moves the logits
+    unscaled_cfg = cfg.updated(rope_scaling_type=None, rope_scaling_factor=8.0, rope_scaling_low_freq_factor=1.0,
+                               rope_scaling_high_freq_factor=4.0, rope_scaling_original_max_position_embeddings=8192)
+    unscaled = GPTModel(unscaled_cfg.model, TPContext()).eval()
     unscaled.load_state_dict(state)
     assert (unscaled.full_logits(ids) - theirs).abs().max() > 1e-2 * theirs.abs().max()
 

@@ -64,8 +64,7 @@ def _merge(saved: dict, given: dict):
     from megazero.checkpoint.load import merge_config
     from megazero.config import Config
 
-    cfg = Config.from_flat(given)
-    cfg.explicit = frozenset(given)
+    cfg = Config.from_flat(given, explicit=frozenset(given))
     meta = {"config": Config.from_flat(saved).to_flat()}
     return merge_config(meta, cfg)[0]
 
@@ -106,7 +105,7 @@ def _first_batch_loss(model, seq: int, gbs: int, iters: int) -> float:
     data = build_data(data_path=None, tokenizer_model=None, split="969,30,1", seq_length=seq,
                       train_samples=iters * gbs, eval_samples=2 * gbs, seed=1234, is_builder=True,
                       log=lambda *_: None)
-    batch = torch.cat(MicroBatchIterator(data.train, gbs, gbs, 0, 1).next_step())
+    batch = torch.cat(MicroBatchIterator(data.train, gbs, 1, 0, 1).next_step())
     with torch.no_grad():
         logits = model(batch[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()

@@ -15,6 +15,7 @@ import torch
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
+from megazero.run_plan import RunPlan
 from tests.checkpoint.serial_ckpt import build, save
 from tests.checkpoint.test_safety import _load
 from tests.helpers.dist import spawn
@@ -64,8 +65,8 @@ def _save_with_nan(pstate, root: str, where: str, bad_rank: int) -> str:
                 _, _, views = next(iter(optimizer.state_segments()))
                 views["exp_avg_sq"][0] = float("inf")
     try:
-        save_checkpoint(root, iteration=7, consumed_samples=0, cfg=cfg, pstate=pstate, chunks=chunks,
-                        optimizer=optimizer)
+        save_checkpoint(root, iteration=7, consumed_samples=0, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout),
+                        pstate=pstate, chunks=chunks, optimizer=optimizer)
     except ValueError as err:
         return str(err)
     return "saved"

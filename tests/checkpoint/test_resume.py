@@ -110,12 +110,12 @@ def test_sigterm_saves_the_current_iteration(tmp_path):
         procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *SMALL, "--tp", "2",
                                        "--train-iters", "100000", "--save", str(ckpt), "--metrics-file", str(metrics)],
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    deadline = time.time() + 120
+    deadline = time.time() + 300
     while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"loss"') < 3):
         time.sleep(0.2)
     for p in procs:
         p.send_signal(signal.SIGTERM)
-    codes = [p.wait(timeout=120) for p in procs]
+    codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs]
     last = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r][-1]["iteration"]
     assert (ckpt / "latest").read_text().strip() == f"iter_{last:07d}"

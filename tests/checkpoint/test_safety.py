@@ -1,6 +1,7 @@
 """Crash safety, --keep-last, clear errors on bad checkpoints, and llama conversion to HF."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import torch
 
 from megazero.checkpoint import load as ckpt_load
 from megazero.checkpoint import storage
+from megazero.run_plan import RunPlan
 from tests.checkpoint.serial_ckpt import build, save
 from tests.helpers.launch import ROOT, launch
 
@@ -19,7 +21,7 @@ def _load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     cfg, pstate, chunks, optimizer = build(arch, hidden)
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
-    cfg.explicit = frozenset(cfg.to_flat())  # as if every setting were a flag: any mismatch is an error
+    cfg = dataclasses.replace(cfg, explicit=frozenset(cfg.to_flat()))  # as if every setting were a flag
     ckpt_load.merge_config(meta, cfg)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
@@ -47,8 +49,8 @@ def test_keep_last(tmp_path):
         cfg, pstate, chunks, optimizer = build()
         from megazero.checkpoint.save import save_checkpoint
 
-        save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg, pstate=pstate, chunks=chunks,
-                        optimizer=optimizer, keep_last=2)
+        save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout),
+                        pstate=pstate, chunks=chunks, optimizer=optimizer, keep_last=2)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "latest"]
 
 

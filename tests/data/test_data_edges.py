@@ -98,7 +98,7 @@ def test_data_tokenized_with_a_larger_vocabulary_fails_on_every_rank(corpus, npr
     """2,000-piece data, 400-piece --tokenizer-model: tp1 used to die with IndexError, tp2 trained on garbage."""
     args = [*MODEL, *flags, "--global-batch-size", "4", "--train-iters", "2",
             "--data-path", corpus.big.data, "--tokenizer-model", corpus.small.model]
-    for line in _one_line_errors(launch("pretrain_gpt.py", args, nproc, timeout=120), nproc):
+    for line in _one_line_errors(launch("pretrain_gpt.py", args, nproc, timeout=300), nproc):
         assert "big_data.idx" in line and "small.model" in line and "2000" in line and "400" in line, line
 
 
@@ -154,7 +154,7 @@ def _run(corpus, tmp, name: str, nproc: int, flags: list[str]) -> list[dict]:
     metrics = os.path.join(tmp, f"{name}.jsonl")
     args = [*MODEL, "--data-path", corpus.small.data, "--tokenizer-model", corpus.small.model,
             *flags, "--metrics-file", metrics]
-    for rank, r in enumerate(launch("pretrain_gpt.py", args, nproc, timeout=240)):
+    for rank, r in enumerate(launch("pretrain_gpt.py", args, nproc, timeout=300)):
         assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
     return [r for r in map(json.loads, open(metrics)) if "event" not in r]
 
@@ -166,12 +166,13 @@ def _loss_on(folder: str, indices: range, corpus) -> float:
     from megazero.config import Config
     from megazero.parallel.state import ParallelState
     from megazero.pipeline.partition import build_chunks
+    from megazero.run_plan import RunPlan
 
     folder = storage.resolve(folder)
     meta = storage.read_metadata(folder)
     cfg = Config.from_flat(meta["config"])
     pstate = ParallelState.serial()
-    chunks = build_chunks(cfg, pstate)
+    chunks = build_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     data = build_data(data_path=[corpus.small.data], tokenizer_model=corpus.small.model, split=cfg.data.split,
                       seq_length=cfg.model.seq_length, train_samples=indices.stop, eval_samples=0,
@@ -212,7 +213,7 @@ def test_eval_without_validation_data_is_an_error(corpus) -> None:
 def test_eval_without_validation_data_fails_through_pretrain(corpus) -> None:
     args = [*MODEL, "--global-batch-size", "4", "--train-iters", "2", "--eval-interval", "1", "--split", "100,0,0",
             "--data-path", corpus.small.data, "--tokenizer-model", corpus.small.model]
-    line = _one_line_errors(launch("pretrain_gpt.py", args, 1, timeout=120), 1)[0]
+    line = _one_line_errors(launch("pretrain_gpt.py", args, 1, timeout=300), 1)[0]
     assert "--eval-interval" in line and "--split" in line, line
 
 

@@ -192,7 +192,7 @@ def test_cli_subprocess_no_traceback(tmp_path, tool: str) -> None:
     args = {"train_tokenizer.py": ["--model-prefix", "p", "--vocab-size", "50"],
             "preprocess_data.py": ["--output-prefix", "o", "--tokenizer-model", "t.model"]}[tool]
     proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool), "--input", "missing.jsonl", *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr

@@ -42,7 +42,7 @@ def _worker(fn: Callable, rank: int, world_size: int, tp: int, pp: int, init_fil
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, tp: int = 1, pp: int = 1, timeout: float = 180) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, tp: int = 1, pp: int = 1, timeout: float = 300) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]

@@ -32,7 +32,8 @@ from megazero.config import Config
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
-from megazero.training.setup import build_model_chunks, build_optimizer
+from megazero.run_plan import RunPlan
+from megazero.training.run import build_model_chunks, build_optimizer
 from tests.helpers.batches import SyntheticBatches
 
 
@@ -86,10 +87,11 @@ class StepStateMeter:
 def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` real training steps (model, ZeRO optimizer, schedule); this rank's peak bytes."""
     torch.manual_seed(cfg.training.seed)
-    chunks = build_model_chunks(cfg, pstate)
-    opt = build_optimizer(cfg, chunks, pstate)
-    schedule = build_schedule(cfg, pstate)
-    batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size)
+    plan = RunPlan.resolve(cfg, pstate.layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    opt = build_optimizer(cfg, plan, chunks, pstate)
+    schedule = build_schedule(plan)
+    batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
     with StepStateMeter(opt) as meter:
         for _ in range(steps):
             opt.zero_grad()

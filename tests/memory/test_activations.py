@@ -50,7 +50,7 @@ def _tokens(cfg: ModelConfig) -> torch.Tensor:
 def measure_all(pstate) -> dict[str, tuple[int, int]]:
     """(measured, predicted) saved bytes for every case on this rank."""
     out = {}
-    tp = pstate.tp_size
+    tp = pstate.tp
     for arch, sp, mode, dropout in itertools.product(ARCHS, (False, True), MODES, (0.0, 0.1)):
         if sp and tp == 1:
             continue

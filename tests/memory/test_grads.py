@@ -9,7 +9,8 @@ from megazero.memory.params import chunk_param_numels
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.optimizer.buffers import plan_buckets
-from megazero.optimizer.zero import MAX_INFLIGHT_BUCKETS
+from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
+from megazero.tensor_parallel.layers import spec_of
 from tests.memory.test_model_state import MODELS
 
 
@@ -28,7 +29,7 @@ def test_bucket_numels_match_plan_buckets(name, bucket_size, shards, tied):
     cfg = ModelConfig(**MODELS[name])
     model = GPTModel(cfg, TPContext())
     params = list(model.parameters())
-    params[0].is_tied_embedding = tied  # the word embedding, as partition.py marks it with pp > 1
+    spec_of(params[0]).tied_role = "embedding" if tied else None  # as partition.py marks it with pp > 1
     buckets, _ = plan_buckets(list(reversed(params)), bucket_size, shards, 0)
     numels = chunk_param_numels(cfg, 1, cfg.num_layers, True, True)
     assert bucket_numels(numels, bucket_size, shards, tied) == [b.numel for b in buckets]

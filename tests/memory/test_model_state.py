@@ -15,6 +15,8 @@ import pytest
 
 from megazero.config import Config, ModelConfig
 from megazero.memory import PlanSpec, model_state_bytes, num_parameters, plan_memory
+from megazero.parallel.layout import Layout
+from megazero.run_plan import RunPlan
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
 from tests.helpers.dist import spawn
@@ -109,11 +111,11 @@ def _config(tp: int, pp: int, zero: int, precision: str, grads: str, model: str)
 
 def measured_records(pstate, layout: tuple) -> dict:
     """This rank's peak model state over two real steps (``step_meter``) and the model's parameter count."""
-    from megazero.optimizer.accounting import num_parameters as measured_parameters
-    from megazero.training.setup import build_model_chunks
+    from megazero.optimizer.accounting import counted_parameters
+    from megazero.training.run import build_model_chunks
 
     cfg = _config(*layout[1:])
-    count = measured_parameters(build_model_chunks(cfg, pstate), pstate)
+    count = counted_parameters(build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate), pstate)
     return {**measure_steps(pstate, cfg), "num_parameters": count}
 
 
@@ -124,7 +126,8 @@ def test_model_state_matches_measured_records():
     for layout in LAYOUTS:
         world, tp, pp = layout[:3]
         cfg = _config(*layout[1:])
-        plan = plan_memory(PlanSpec.from_config(cfg, world // (tp * pp), device="cpu"))
+        run_plan = RunPlan.resolve(cfg, Layout.from_world(world, tp, pp))
+        plan = plan_memory(PlanSpec.from_plan(cfg, run_plan, device="cpu"))
         assert plan.spec.schedule == "1f1b"
         for rec in spawn(measured_records, world, layout, tp=tp, pp=pp):
             stage = plan.stages[rec["pp_rank"]]

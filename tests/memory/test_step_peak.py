@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from megazero.config import Config
 from megazero.memory import PlanSpec, bucket_numels, plan_memory
+from megazero.parallel.layout import Layout
+from megazero.run_plan import RunPlan
 from megazero.memory.params import chunk_param_numels
-from megazero.optimizer.zero import MAX_INFLIGHT_BUCKETS
+from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
 from tests.helpers.dist import spawn
 from tests.memory.step_meter import measure_steps
 
@@ -54,7 +56,8 @@ def test_planner_matches_step_peak_dp2():
     bad = []
     for i, case in enumerate(CASES):
         cfg = case_config(*case)
-        plan = plan_memory(PlanSpec.from_config(cfg, 2, device="cpu"))
+        run_plan = RunPlan.resolve(cfg, Layout.from_world(2, cfg.parallel.tp, cfg.parallel.pp))
+        plan = plan_memory(PlanSpec.from_plan(cfg, run_plan, device="cpu"))
         slack = 0.0
         if case[0] == 2 and case[1] == 1:
             g = 4 if case[3] == "fp32" or case[2] == "fp32" else 2

@@ -21,7 +21,8 @@ from megazero.checkpoint.load import load_rng
 from megazero.checkpoint.save import rng_state
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
-from megazero.training.setup import build_model_chunks
+from megazero.run_plan import RunPlan
+from megazero.training.run import build_model_chunks
 from tests.helpers.dist import spawn
 from tests.helpers.launch import launch
 from tests.pipeline.harness import Run, make_cfg, parity_errors, run_many, serial_reference, train
@@ -32,8 +33,11 @@ SEQ = 8  # = head dim (hidden 32 / 4 heads), so v = identity fits in one head
 
 def _cfg(arch: str = "gpt2", p: float = P, **layout):
     cfg = make_cfg(arch, seq=SEQ, **layout)
-    cfg.model.hidden_dropout = cfg.model.attention_dropout = p
-    return cfg
+    return cfg.updated(hidden_dropout=p, attention_dropout=p)
+
+
+def _chunks(cfg, pstate: ParallelState) -> list:
+    return build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
 
 
 def _attention_mask(block) -> torch.Tensor:
@@ -67,17 +71,17 @@ def _layer_masks(chunks, sp_size: int = 1, embed_first: bool = False) -> dict[in
 def test_layer_masks_do_not_depend_on_other_draws():
     """Serial model: layer 2 draws the same masks whether or not the embedding and layers 0-1 drew first."""
     serial = ParallelState.serial()
-    alone = build_model_chunks(_cfg(), serial)[0].train()
+    alone = _chunks(_cfg(), serial)[0].train()
     first = {"attention": _attention_mask(alone.layers["2"]), "hidden": _hidden_mask(alone.layers["2"], SEQ)}
     again = {"attention": _attention_mask(alone.layers["2"]), "hidden": _hidden_mask(alone.layers["2"], SEQ)}
-    model = build_model_chunks(_cfg(), serial)[0].train()
+    model = _chunks(_cfg(), serial)[0].train()
     with torch.no_grad():
         model.embedding(torch.zeros(1, SEQ, dtype=torch.long))
     for i in ("0", "1"):
         _attention_mask(model.layers[i])
         _hidden_mask(model.layers[i], SEQ)
     after = {"attention": _attention_mask(model.layers["2"]), "hidden": _hidden_mask(model.layers["2"], SEQ)}
-    layer0 = build_model_chunks(_cfg(), serial)[0].train().layers["0"]
+    layer0 = _chunks(_cfg(), serial)[0].train().layers["0"]
     for kind in ("attention", "hidden"):
         assert torch.equal(first[kind], after[kind]), f"layer 2's {kind} mask depends on earlier draws"
         assert not torch.equal(first[kind], again[kind]), f"layer 2's {kind} stream did not advance"
@@ -89,16 +93,16 @@ def probe_layouts(pstate) -> dict:
     and at tp1 x dp2 x pp2."""
     out = {"tp_rank": pstate.tp_rank}
     for sp in (False, True):
-        out[f"tp2pp2.sp={sp}"] = _layer_masks(build_model_chunks(_cfg(tp=2, pp=2, sp=sp), pstate), 2 if sp else 1)
-    out["tp2pp2.sp=True.embed"] = _layer_masks(build_model_chunks(_cfg(tp=2, pp=2, sp=True), pstate), 2, True)
+        out[f"tp2pp2.sp={sp}"] = _layer_masks(_chunks(_cfg(tp=2, pp=2, sp=sp), pstate), 2 if sp else 1)
+    out["tp2pp2.sp=True.embed"] = _layer_masks(_chunks(_cfg(tp=2, pp=2, sp=True), pstate), 2, True)
     tp1 = ParallelState.build(Layout(1, 2, 2), "cpu")
-    out["tp1pp2"] = _layer_masks(build_model_chunks(_cfg(pp=2), tp1))
+    out["tp1pp2"] = _layer_masks(_chunks(_cfg(pp=2), tp1))
     return out
 
 
 def test_masks_per_layer_and_tp_rank_tp2_pp2():
     results = spawn(probe_layouts, 4, tp=2, pp=2)
-    serial = _layer_masks(build_model_chunks(_cfg(), ParallelState.serial()))
+    serial = _layer_masks(_chunks(_cfg(), ParallelState.serial()))
     by = {}  # (layout, layer, tp_rank) -> masks
     for r in results:
         for layout in ("tp2pp2.sp=False", "tp2pp2.sp=True", "tp2pp2.sp=True.embed"):
@@ -129,7 +133,7 @@ def dropout_runs() -> list[Run]:
     for arch, schedule in (("gpt2", "gpipe"), ("gpt2", "1f1b"), ("gpt2", "interleaved"), ("llama", "1f1b"),
                            ("llama", "interleaved")):
         cfg = make_cfg(arch, pp=2, schedule=schedule, vp=2 if schedule == "interleaved" else None)
-        cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1
+        cfg = cfg.updated(hidden_dropout=0.1, attention_dropout=0.1)
         runs.append(Run(f"{arch}.{schedule}", cfg))
     return runs
 
@@ -152,9 +156,8 @@ def test_pipeline_with_dropout_matches_serial():
 
 def _grads_two_microbatches(mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Both micro-batches forward, then both backward (as a pipeline keeps them in flight)."""
-    cfg = _cfg("llama", p=0.2)
-    cfg.training.recompute = mode
-    model = build_model_chunks(cfg, ParallelState.serial())[0].train()
+    cfg = _cfg("llama", p=0.2).updated(recompute=mode)
+    model = _chunks(cfg, ParallelState.serial())[0].train()
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 2, SEQ + 1), generator=torch.Generator().manual_seed(3))
     losses = [model(mb[:, :-1], mb[:, 1:]) for mb in tokens]
     for loss in losses:
@@ -180,13 +183,13 @@ def test_rng_file_restores_every_stream(tmp_path):
         with torch.no_grad():
             return float(model(mb[:, :-1], mb[:, 1:]))
 
-    model = build_model_chunks(cfg, serial)[0].train()
+    model = _chunks(cfg, serial)[0].train()
     loss_of(model, tokens[0])
     save_file(rng_state(serial, model.ctx.rng), os.path.join(tmp_path, storage.rng_file(0)))
     want = loss_of(model, tokens[1])
-    fresh = build_model_chunks(cfg, serial)[0].train()
+    fresh = _chunks(cfg, serial)[0].train()
     assert loss_of(fresh, tokens[1]) != want, "control: a fresh stream should draw other masks"
-    fresh = build_model_chunks(cfg, serial)[0].train()
+    fresh = _chunks(cfg, serial)[0].train()
     load_rng(str(tmp_path), serial, fresh.ctx.rng)
     assert loss_of(fresh, tokens[1]) == want
 

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from megazero.optimizer.zero import build_distributed_optimizer
+from megazero.optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
-from megazero.training.logging import MetricsLog
-from megazero.training.setup import build_model_chunks
+from megazero.run_plan import RunPlan
+from megazero.training.metrics import MetricsLog
+from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_params, rel_err
@@ -43,14 +44,20 @@ def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: 
         logging=LoggingConfig(log_interval=1))
 
 
+def build(pstate: ParallelState, cfg: Config) -> tuple[list[torch.nn.Module], DistributedOptimizer]:
+    """The model chunks (cast to the compute dtype by set-up) and the optimizer, as a run builds them."""
+    plan = RunPlan.resolve(cfg, pstate.layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    return chunks, build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
+
+
 def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
     """A few iterations through the real training pieces; returns records and final full weights."""
-    chunks = build_model_chunks(cfg, pstate)
-    optimizer = build_distributed_optimizer(cfg, chunks, pstate)
+    chunks, optimizer = build(pstate, cfg)
     if hook is not None:
         hook(chunks, optimizer, pstate)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate),
-                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size), MetricsLog(None, enabled=False))
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(RunPlan.resolve(cfg, pstate.layout)),
+                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     optimizer.wait_param_gather()
     params: dict[str, torch.Tensor] = {}

@@ -15,12 +15,10 @@ import zlib
 
 import torch
 
-from megazero.optimizer.zero import build_distributed_optimizer
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import spec_of
-from megazero.training.setup import build_model_chunks
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import make_cfg
+from tests.optimizer.harness import build, make_cfg
 
 ZEROS = (0, 1, 2)
 TOL = 1e-9
@@ -37,8 +35,7 @@ def norms(pstate: ParallelState, tp: int, pp: int) -> dict:
     out: dict = {"norm": {}, "owned": []}
     for zero in ZEROS:
         cfg = make_cfg(zero=zero, tp=tp, pp=pp, hidden=64, bucket=20_000)
-        chunks = build_model_chunks(cfg, pstate)
-        opt = build_distributed_optimizer(cfg, chunks, pstate)
+        chunks, opt = build(pstate, cfg)
         opt.zero_grad()
         for buf in opt.buffers:  # ZeRO 2 allocates bucket gradients on first use
             for b in buf.buckets:
@@ -48,11 +45,11 @@ def norms(pstate: ParallelState, tp: int, pp: int) -> dict:
                 dim = spec_of(p).split_dim
                 shape = list(p.shape)
                 if dim is not None:
-                    shape[dim] *= pstate.tp_size
+                    shape[dim] *= pstate.tp
                 full = _full_grad(name, torch.Size(shape), pstate.pp_rank)
-                if getattr(p, "is_embedding_copy", False):
+                if spec_of(p).tied_role == "embedding_copy":
                     full = torch.zeros_like(full)
-                mine = full if dim is None else full.chunk(pstate.tp_size, dim)[pstate.tp_rank]
+                mine = full if dim is None else full.chunk(pstate.tp, dim)[pstate.tp_rank]
                 p.main_grad.copy_(mine)
                 if zero == 0 and pstate.tp_rank == 0 and pstate.dp_rank == 0:
                     out["owned"].append(full)

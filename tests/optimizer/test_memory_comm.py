@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Callable
 
 from megazero.optimizer.accounting import memory_record
-from megazero.optimizer.zero import MAX_INFLIGHT_BUCKETS, build_distributed_optimizer
-from megazero.training.setup import build_model_chunks
+from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import make_cfg, train
+from tests.optimizer.harness import build, make_cfg, train
 
 DP, BUCKET = 4, 10_000
 PRECISIONS = {  # name: (training flags, bytes/param for zero 0, 1, 2 at dp = 4)
@@ -32,9 +31,9 @@ def measure(pstate) -> dict:
     out: dict = {"memory": {}, "comm": {}, "peak_buckets": {}}
     for name, (flags, _) in PRECISIONS.items():
         for zero in (0, 1, 2):
-            cfg = make_cfg(zero=zero, hidden=64, bucket=BUCKET, **flags)
-            chunks = build_model_chunks(cfg, pstate)
-            out["memory"][name, zero] = memory_record(build_distributed_optimizer(cfg, chunks, pstate), chunks, pstate)
+            cfg = make_cfg(zero=zero, mbs=2, hidden=64, bucket=BUCKET, **flags)  # gbs 8 over dp 4
+            chunks, opt = build(pstate, cfg)
+            out["memory"][name, zero] = memory_record(opt, chunks, pstate)
     for zero, mbs in ((0, 2), (1, 2), (2, 2), (2, 1)):  # gbs 8 over dp 4: 1 or 2 micro-batches
         run = train(pstate, make_cfg(zero=zero, mbs=mbs, hidden=64, bucket=BUCKET, iters=2),
                     hook=_count_live_buckets(out["peak_buckets"], (zero, mbs)))

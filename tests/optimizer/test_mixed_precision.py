@@ -1,6 +1,6 @@
 """bf16 and fp16 training on CPU, and fp16 overflow handling.
 
-The bf16/fp16 runs go through ``megazero.training.setup.run`` (as pretrain_gpt.py
+The bf16/fp16 runs go through ``megazero.training.run.run`` (as pretrain_gpt.py
 does) on the built-in corpus in a 2-rank world, so they also check the startup
 memory records and the per-step communication ledger in the metrics file.
 The overflow test puts an inf into one gradient element on DP rank 0 only:
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from megazero.config import Config
-from megazero.optimizer.zero import build_distributed_optimizer
 from megazero.pipeline.schedules import build_schedule
-from megazero.training.setup import build_model_chunks, run
+from megazero.run_plan import RunPlan
+from megazero.training.run import run
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import SyntheticBatches, make_cfg
+from tests.optimizer.harness import SyntheticBatches, build, make_cfg
 
 ITERS = 50
 
@@ -56,9 +56,9 @@ def overflow_run(pstate) -> dict:
     out = {}
     for zero in (0, 1, 2):
         cfg = make_cfg(zero=zero, mbs=4, fp16=True, initial_loss_scale=1024.0)
-        chunks = build_model_chunks(cfg, pstate)
-        opt = build_distributed_optimizer(cfg, chunks, pstate)
-        schedule, batches = build_schedule(cfg, pstate), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size)
+        chunks, opt = build(pstate, cfg)
+        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout))
+        batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         target = opt.buffers[0].params[0]  # first in the buffer: the start of bucket 0, DP rank 0's shard
         inject = {"on": False}
         target.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")) if inject["on"] else g)

@@ -16,13 +16,12 @@ import math
 import pytest
 import torch
 
-from megazero.optimizer.zero import build_distributed_optimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
+from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import spec_of
-from megazero.training.setup import build_model_chunks
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import SyntheticBatches, make_cfg, train
+from tests.optimizer.harness import SyntheticBatches, build, make_cfg, train
 
 # (precision, zero, injected value, loss scale floor reached)
 CASES = [("fp32", 0, "nan", False), ("fp32", 1, "inf", False), ("fp32", 2, "nan", False),
@@ -51,9 +50,9 @@ def skip_cases(pstate) -> dict:
         flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": SCALE,
                                                   "min_loss_scale": SCALE if floor else 1.0}}.get(precision, {})
         cfg = make_cfg(zero=zero, tp=2, pp=2, mbs=2, clip=1.0, **flags)
-        chunks = build_model_chunks(cfg, pstate)
-        opt = build_distributed_optimizer(cfg, chunks, pstate)
-        schedule, batches = build_schedule(cfg, pstate), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size)
+        chunks, opt = build(pstate, cfg)
+        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout))
+        batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         inject = {"on": False}
         target = _replicated_param(chunks[-1])
         value = float(bad)

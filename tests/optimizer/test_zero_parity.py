@@ -29,7 +29,8 @@ DP_RUNS = {  # name: make_cfg overrides; every run uses global batch 8
     "z1.clip": dict(zero=1, clip=CLIP), "z2.clip.acc": dict(zero=2, clip=CLIP, mbs=2),
     "z1.overlap": dict(zero=1, overlap=True), "z2.overlap.acc": dict(zero=2, overlap=True, mbs=2),
 }
-DP4_RUNS = {k: DP_RUNS[k] for k in ("z0", "z1", "z2", "z2.acc", "z1.clip")}
+# gbs 8 over dp 4 leaves 2 samples per rank: micro-batches of at most 2 (the same batches mbs=4 made)
+DP4_RUNS = {k: {**DP_RUNS[k], "mbs": min(DP_RUNS[k].get("mbs", 4), 2)} for k in ("z0", "z1", "z2", "z2.acc", "z1.clip")}
 TP_RUNS = {"z0.sp": dict(zero=0, tp=2, sp=True), "z1.sp": dict(zero=1, tp=2, sp=True, clip=CLIP),
            "z2.sp.acc": dict(zero=2, tp=2, sp=True, mbs=2), "z2": dict(zero=2, tp=2)}
 PP_RUNS = {"z1.pp": dict(zero=1, pp=2, mbs=2), "z2.pp": dict(zero=2, pp=2, mbs=2, clip=CLIP),

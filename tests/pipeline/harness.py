@@ -16,9 +16,10 @@ from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
-from megazero.pipeline.schedules import build_schedule
-from megazero.training.logging import MetricsLog
-from megazero.training.setup import build_model_chunks
+from megazero.pipeline.schedules import build_schedule, schedule_timeline
+from megazero.run_plan import RunPlan
+from megazero.training.metrics import MetricsLog
+from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_params, rel_err
@@ -48,17 +49,17 @@ def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule:
 
 def train(cfg: Config, pstate: ParallelState) -> dict:
     """Five iterations through the real training pieces; returns losses, weights and schedule counts."""
-    chunks = build_model_chunks(cfg, pstate)
-    schedule = build_schedule(cfg, pstate)
+    plan = RunPlan.resolve(cfg, pstate.layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
-                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp_size), MetricsLog(None, enabled=False))
+                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
     for chunk in chunks:
         params.update(full_params(chunk, pstate.tp_group))
-    stats = getattr(schedule, "stats", None)
     return {"losses": [r["loss"] for r in records], "params": params,
-            "max_in_flight": None if stats is None else stats.max_in_flight,
+            "max_in_flight": schedule.stats.max_in_flight,
             "bubble": [r.get("bubble_fraction") for r in records], "pp_rank": pstate.pp_rank}
 
 

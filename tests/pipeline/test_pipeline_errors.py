@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from megazero.config import ConfigError
 from megazero.pipeline.partition import chunk_layer_ranges
-from megazero.training.setup import build_model_chunks, validate
+from megazero.run_plan import RunPlan
+from megazero.training.run import build_model_chunks, validate
 from tests.helpers.dist import spawn
 from tests.pipeline.harness import make_cfg
 
@@ -52,7 +53,7 @@ def bad_input_on_every_rank(pstate) -> dict[str, str | None]:
     # this rank was launched with its own --seq-length: the stages must not start exchanging
     cfg = make_cfg("gpt2", pp=2, seq=16 if pstate.pp_rank == 0 else 32)
     try:
-        build_model_chunks(cfg, pstate)
+        build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
         out["stage shapes"] = None
     except ConfigError as err:
         out["stage shapes"] = str(err)
@@ -60,7 +61,7 @@ def bad_input_on_every_rank(pstate) -> dict[str, str | None]:
 
 
 def test_every_rank_fails_without_hanging():
-    results = spawn(bad_input_on_every_rank, 2, pp=2, timeout=60)
+    results = spawn(bad_input_on_every_rank, 2, pp=2, timeout=300)
     for rank, out in enumerate(results):
         missing = [name for name, msg in out.items() if msg is None]
         assert not missing, f"rank {rank} accepted: {missing}"

@@ -83,7 +83,7 @@ def check_layers(pstate) -> dict[str, float]:
 
 
 def _check_embedding_and_loss(pstate) -> dict[str, float]:
-    g, vocab, padded = pstate.tp_group, 500, 512 * pstate.tp_size
+    g, vocab, padded = pstate.tp_group, 500, 512 * pstate.tp
     s, p = _pair(lambda grp: VocabParallelEmbedding(padded, IN, tp_group=grp, valid_rows=vocab), g)
     ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(5))
     out_s, out_p = s(ids), p(ids)

@@ -7,7 +7,8 @@ import pytest
 
 from megazero.config import ModelConfig, OptimizerConfig
 from megazero.optimizer.lr import LRSchedule
-from megazero.training.flops import achieved_tflops, flops_per_token
+from megazero.model.flops import flops_per_token
+from megazero.training.flops import achieved_tflops
 
 
 def test_flops_per_token_hand_count():

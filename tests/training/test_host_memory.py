@@ -1,7 +1,7 @@
 """The allocator tuning keeps a freed block mapped, so the next step reuses its pages.
 
 What this checks is the mechanism, which does not depend on machine load: under glibc's
-defaults a 16 MiB block is served by ``mmap`` and handed back to the kernel when freed (the
+defaults a 24 MiB block is served by ``mmap`` and handed back to the kernel when freed (the
 resident set falls again); with ``keep_freed_host_memory()`` it comes from the heap and stays
 resident after ``free``. What that saves per step (page faults, time) is measured in
 ``bench/bench_host_memory.py``, not asserted here.
@@ -23,8 +23,9 @@ if sys.argv[1] == "tuned":
 def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
+torch.ones(256).add_(1.0)  # torch's lazy set-up happens here, not inside the measurement
 before = rss()
-block = torch.empty(4 << 20).fill_(1.0)  # 16 MiB, every page touched
+block = torch.empty(6 << 20).fill_(1.0)  # 24 MiB (below glibc's largest mmap threshold), every page touched
 during = rss()
 del block
 print(before, during, rss())
@@ -42,7 +43,7 @@ def resident(mode: str) -> tuple[int, int, int]:
                     reason="needs glibc's mallopt and /proc (Linux)")
 def test_freed_blocks_stay_mapped_only_with_the_tuning():
     before, during, after = resident("default")
-    assert during - before >= 15 * MIB, "the probe block should be resident while alive"
-    assert after - before < 4 * MIB, "glibc's defaults unmap a freed 16 MiB block"
+    assert during - before >= 23 * MIB, "the probe block should be resident while alive"
+    assert after - before < 12 * MIB, "glibc's defaults unmap a freed 24 MiB block"
     before, during, after = resident("tuned")
-    assert after - before >= 15 * MIB, "with the tuning the freed block stays mapped for reuse"
+    assert after - before >= 23 * MIB, "with the tuning the freed block stays mapped for reuse"

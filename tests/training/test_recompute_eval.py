@@ -9,10 +9,11 @@ from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
 from megazero.parallel.state import ParallelState
+from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from megazero.tensor_parallel.random import seed_everything
 from megazero.training.evaluate import evaluate
-from megazero.training.setup import build_model_chunks
+from megazero.training.run import build_model_chunks
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
 from tests.pipeline.harness import SyntheticBatches, make_cfg, train
@@ -22,9 +23,7 @@ MODES = ("none", "selective", "full")
 
 def _with_dropout(arch: str, mode: str, **layout):
     cfg = make_cfg(arch, **layout)
-    cfg.model.hidden_dropout = cfg.model.attention_dropout = 0.1
-    cfg.training.recompute = mode
-    return cfg
+    return cfg.updated(hidden_dropout=0.1, attention_dropout=0.1, recompute=mode)
 
 
 def recompute_parity_and_eval(pstate) -> dict[str, float]:
@@ -47,10 +46,12 @@ def recompute_parity_and_eval(pstate) -> dict[str, float]:
 def _eval_error(arch: str, pstate) -> float:
     """evaluate() through tp=2 x pp=2 vs the serial model's mean loss on the same two global batches."""
     cfg = make_cfg(arch, tp=2, pp=2)
-    chunks = build_model_chunks(cfg, pstate)
-    got = evaluate(chunks, SyntheticBatches(cfg, 0, 1), 2, pstate)["val_loss"]
+    plan = RunPlan.resolve(cfg, pstate.layout)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    got = evaluate(chunks, SyntheticBatches(cfg, 0, 1), 2, pstate, plan.stage_shape, plan.compute_dtype)["val_loss"]
     serial_cfg = make_cfg(arch)
-    model = build_model_chunks(serial_cfg, ParallelState.serial())[0].eval()
+    serial = ParallelState.serial()
+    model = build_model_chunks(serial_cfg, RunPlan.resolve(serial_cfg, serial.layout), serial)[0].eval()
     batches = SyntheticBatches(serial_cfg, 0, 1)
     with torch.no_grad():
         losses = [model(mb[:, :-1], mb[:, 1:]) for _ in range(2) for mb in batches.next_step()]

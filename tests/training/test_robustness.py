@@ -22,7 +22,7 @@ from tests.helpers.launch import ROOT, _free_port, launch
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
          "--lr", "1e-3", "--lr-warmup-iters", "1"]
-GUARD = 120  # seconds: a hang guard for the subprocesses, not a timing assertion
+GUARD = 300  # seconds: a hang guard for the subprocesses, not a timing assertion
 
 
 def _start(nproc: int, flags: list[str]) -> list[subprocess.Popen]:

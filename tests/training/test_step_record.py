@@ -13,8 +13,7 @@ from tests.optimizer.harness import make_cfg, train
 
 def record(folder, monkeypatch, lr: float) -> None:
     monkeypatch.setenv("MEGAZERO_RECORD_STEPS", str(folder))
-    cfg = make_cfg(iters=3)
-    cfg.optimizer.lr = lr
+    cfg = make_cfg(iters=3).updated(lr=lr)
     run = train(ParallelState.serial(), cfg)
     lines = [json.loads(x) for f in os.listdir(folder) for x in open(os.path.join(folder, f))]
     assert [float.fromhex(x["loss"]) for x in lines] == [r["loss"] for r in run["records"]]

@@ -22,8 +22,8 @@ from tests.helpers.dist import spawn
 
 def _timed_collectives(pstate):
     """Rank 1 joins each collective late; the ledger charges each wait to the 'tp' axis, inside the call."""
-    C.LEDGER.enabled, C.LEDGER.timing = True, True
-    C.LEDGER.take_wait_seconds()
+    pstate.ledger.enabled, pstate.ledger.timing = True, True
+    pstate.ledger.take_wait_seconds()
     x = torch.ones(1000)
     dist.barrier()
     if pstate.tp_rank == 1:
@@ -31,17 +31,17 @@ def _timed_collectives(pstate):
     begin = time.perf_counter()
     C.all_reduce(x, pstate.tp_group)  # blocking
     sync_outer = time.perf_counter() - begin
-    sync_ledger = C.LEDGER.take_wait_seconds()
+    sync_ledger = pstate.ledger.take_wait_seconds()
     work = C.all_reduce(x, pstate.tp_group, async_op=True)
     if pstate.tp_rank == 1:
         time.sleep(0.3)
     begin = time.perf_counter()
     work.wait()
     async_outer = time.perf_counter() - begin
-    async_ledger = C.LEDGER.take_wait_seconds()
-    C.LEDGER.timing = False
+    async_ledger = pstate.ledger.take_wait_seconds()
+    pstate.ledger.timing = False
     C.all_reduce(x, pstate.tp_group)
-    off = C.LEDGER.take_wait_seconds()
+    off = pstate.ledger.take_wait_seconds()
     return sync_outer, sync_ledger, async_outer, async_ledger, off, x[0].item()
 
 
@@ -98,12 +98,14 @@ def test_ledger_charges_the_stream_stall_of_an_async_nccl_wait():
     init = tempfile.mktemp()
     dist.init_process_group("nccl", init_method=f"file://{init}", rank=0, world_size=1)
     try:
-        C.LEDGER.enabled, C.LEDGER.timing = True, True
-        C.LEDGER.take_wait_seconds()
+        world, ledger = dist.group.WORLD, C.CommLedger()
+        ledger.name_group(world, "world")
+        ledger.enabled, ledger.timing = True, True
+        ledger.take_wait_seconds()
         x = torch.randn(4096, 4096, device="cuda") / 64
-        C.all_reduce(x, None)  # warm up the communicator
+        C.all_reduce(x, world)  # warm up the communicator
         torch.cuda.synchronize()
-        C.LEDGER.take_wait_seconds()
+        ledger.take_wait_seconds()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -111,13 +113,12 @@ def test_ledger_charges_the_stream_stall_of_an_async_nccl_wait():
             begin.record()
             y = _device_work(x)
             end.record()
-            work = C.all_reduce(y, None, async_op=True)
+            work = C.all_reduce(y, world, async_op=True)
         work.wait()  # the default stream now waits for the all-reduce, hence for the side work
-        waited = C.LEDGER.take_wait_seconds()["world"]
+        waited = ledger.take_wait_seconds()["world"]
         work_s = begin.elapsed_time(end) / 1000
         assert waited >= 0.5 * work_s, (waited, work_s)
     finally:
-        C.LEDGER.timing = False
         dist.destroy_process_group()
         if os.path.exists(init):
             os.remove(init)

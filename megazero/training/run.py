@@ -23,24 +23,24 @@ from ..optimizer.accounting import memory_records
 from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from ..parallel.layout import Layout
 from ..parallel.state import ParallelState, default_device, init_distributed, world_size_from_env
-from ..pipeline.p2p import stage_shape, verify_stage_shapes
+from ..pipeline.p2p import verify_stage_shapes
 from ..pipeline.partition import build_chunks
-from ..pipeline.schedules import build_schedule
+from ..pipeline.schedules import build_schedule, schedule_timeline
+from ..run_plan import RunPlan
 from ..tensor_parallel.random import seed_everything
 from .host_memory import keep_freed_host_memory
-from .logging import MetricsLog
+from .metrics import MetricsLog
 from .preflight import check_output_paths
 from .trainer import Trainer
 from .wandb_log import WandbLogger
 
 
-def validate(cfg: Config, world_size: int) -> Layout:
-    """Every check that needs only the config and the world size; raises ConfigError."""
-    layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
-    cfg.check_tensor_parallel()
-    cfg.check_batch(layout.dp)
-    cfg.check_pipeline(layout.dp)
-    return layout
+def validate(cfg: Config, world_size: int) -> RunPlan:
+    """Every check that needs only the config and the world size; raises ConfigError.
+
+    The plan it returns may lack the vocabulary (the tokenizer is read once the groups exist).
+    """
+    return RunPlan.resolve(cfg, Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp))
 
 
 def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
@@ -51,26 +51,34 @@ def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
     return folder, storage.read_metadata(folder)
 
 
-def build_model_chunks(cfg: Config, pstate: ParallelState) -> list[nn.Module]:
-    """This rank's model chunk(s), initialised as slices of the seeded full model.
+def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
+    """This rank's model chunk(s), initialised as slices of the seeded full model, in the compute dtype.
 
-    Also checks, with one all-gather over the pipeline group, that every stage expects
-    the same activation shape (a mismatch raises on every rank before any send).
+    The fp32 initial values reach the optimizer's fp32 master copy only through this cast
+    (as Megatron). Also checks, with one all-gather over the pipeline group, that every stage
+    expects the same activation shape and dtype (a mismatch raises on every rank before any send).
     """
-    chunks = build_chunks(cfg, pstate, cfg.check_pipeline(pstate.dp_size))
-    verify_stage_shapes(pstate, stage_shape(cfg), next(chunks[0].parameters()).dtype)
+    chunks = build_chunks(cfg, plan, pstate)
+    for chunk in chunks:
+        chunk.to(plan.compute_dtype)
+    verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
     for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
         apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
     return chunks
 
 
-def build_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState) -> DistributedOptimizer:
-    """The ZeRO optimizer for ``--zero``; casts the chunks to bf16/fp16 under --bf16/--fp16."""
-    return build_distributed_optimizer(cfg, chunks, pstate)
+def build_optimizer(cfg: Config, plan: RunPlan, chunks: list[nn.Module],
+                    pstate: ParallelState) -> DistributedOptimizer:
+    """The ZeRO optimizer for ``plan.zero`` over chunks already in the compute dtype."""
+    return build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
 
 
-def _data(cfg: Config, rank: int, say: Callable, found: tuple[str, dict[str, Any]] | None = None) -> DataBundle:
-    """The datasets, sized for this run; a resume needs consumed + remaining steps x the (maybe new) global batch."""
+def _data(cfg: Config, rank: int, say: Callable,
+          found: tuple[str, dict[str, Any]] | None = None) -> tuple[Config, DataBundle]:
+    """The datasets, sized for this run, and the config with the tokenizer's vocabulary when none was given.
+
+    A resume needs consumed + remaining steps x the (maybe new) global batch.
+    """
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size
     if found:  # consumed samples carry over when --global-batch-size changed (Megatron users ramp it this way)
@@ -82,8 +90,8 @@ def _data(cfg: Config, rank: int, say: Callable, found: tuple[str, dict[str, Any
                       seed=t.seed, is_builder=rank == 0, barrier=dist.barrier, log=say,
                       vocab_size=cfg.model.vocab_size)
     if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.tokenizer.vocab_size
-    elif cfg.model.vocab_size < data.tokenizer.vocab_size:
+        return cfg.updated(vocab_size=data.tokenizer.vocab_size), data
+    if cfg.model.vocab_size < data.tokenizer.vocab_size:
         tokenizer = cfg.data.tokenizer_model or "the default corpus's tokenizer"
         if "vocab_size" in cfg.explicit or not found:
             raise ValueError(f"--vocab-size ({cfg.model.vocab_size}) is smaller than the vocabulary of "
@@ -91,38 +99,54 @@ def _data(cfg: Config, rank: int, say: Callable, found: tuple[str, dict[str, Any
         raise ValueError(f"the checkpoint's vocabulary ({cfg.model.vocab_size}, --load {cfg.checkpoint.load}) is "
                          f"smaller than that of {tokenizer} ({data.tokenizer.vocab_size}); pass the "
                          f"--tokenizer-model the checkpoint was trained with.")
-    return data
+    return cfg, data
 
 
-def _resume(found, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any) -> tuple[int, int]:
+def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
+            optimizer: Any) -> tuple[int, int]:
     """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
     folder, meta = found
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-    if ckpt_load.same_layout(meta, cfg, pstate) and ckpt_load.has_rng(meta):  # exact resume: generators too
+    if ckpt_load.same_layout(meta, plan) and ckpt_load.has_rng(meta):  # exact resume: generators too
         ckpt_load.load_rng(folder, pstate, chunks[0].ctx.rng)
     return int(meta["iteration"]), int(meta["consumed_samples"])
 
 
-def _saver(cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any, batches: Any):
+def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
+           batches: MicroBatchIterator):
     if not cfg.checkpoint.save:
         return None
 
     def save(iteration: int) -> None:
         optimizer.wait_param_gather()
         save_checkpoint(cfg.checkpoint.save, iteration=iteration, consumed_samples=batches.consumed_samples,
-                        cfg=cfg, pstate=pstate, chunks=chunks, optimizer=optimizer, tp_rng=chunks[0].ctx.rng,
-                        keep_last=cfg.checkpoint.keep_last)
+                        cfg=cfg, plan=plan, pstate=pstate, chunks=chunks, optimizer=optimizer,
+                        tp_rng=chunks[0].ctx.rng, keep_last=cfg.checkpoint.keep_last)
 
     return save
 
 
-def _wandb(cfg: Config, pstate: ParallelState) -> WandbLogger | None:
+def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | None:
     lg = cfg.logging
     if not lg.wandb_project:
         return None
-    layout = {"tp": pstate.tp_size, "pp": pstate.pp_size, "dp": pstate.dp_size, "zero": cfg.parallel.zero}
     return WandbLogger(enabled=pstate.is_logging_rank, project=lg.wandb_project, name=lg.wandb_name,
-                       mode=lg.wandb_mode, config={**cfg.to_flat(), "layout": layout}, directory=lg.wandb_dir)
+                       mode=lg.wandb_mode, config={**cfg.to_flat(), "layout": plan.layout_record()},
+                       directory=lg.wandb_dir)
+
+
+def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Callable]:
+    """Validate (before any process group, so bad input fails alike on every rank), then build the groups."""
+    plan = validate(cfg, world_size_from_env())
+    device = default_device(cfg.training.device)
+    if device.type == "cpu":
+        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
+    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    init_distributed(device, timeout)
+    check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
+    say = log_fn if dist.get_rank() == 0 else (lambda *_: None)
+    say(f"megazero: building process groups for {plan.layout} on {device}")
+    return plan, ParallelState.build(plan.layout, device, timeout), say
 
 
 def run(cfg: Config, log_fn=print) -> list[dict]:
@@ -131,44 +155,33 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     taken: list[str] = []
     if found:  # the model is the checkpoint's; explicit flags must agree with it (before any check uses it)
         cfg, taken = ckpt_load.merge_config(found[1], cfg)
-    layout = validate(cfg, world_size_from_env())
-    device = default_device(cfg.training.device)
-    if device.type == "cpu":
-        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
-    timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    init_distributed(device, timeout)
-    check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
-    rank = dist.get_rank()
-    say = log_fn if rank == 0 else (lambda *_: None)
-    say(f"megazero: building process groups for {layout} on {device}")
-    pstate = ParallelState.build(layout, device, timeout)
-    t = cfg.training
-    data = _data(cfg, rank, say, found)
+    plan, pstate, say = _start(cfg, log_fn)
+    cfg, data = _data(cfg, pstate.rank, say, found)
+    plan = RunPlan.resolve(cfg, plan.layout)  # the run's plan: the vocabulary is known now
     if found:
         say(f"megazero: model settings taken from the checkpoint's metadata"
             f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")
-    seed_everything(t.seed, pstate.pp_rank)
-    say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, layout.tp) / 1e6:.2f}M "
-        f"parameters), {layout}, zero {cfg.parallel.zero}, {cfg.check_batch(layout.dp)} micro-batches per step")
-    chunks = build_model_chunks(cfg, pstate)
+    seed_everything(cfg.training.seed, pstate.pp_rank)
+    say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
+        f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")
+    chunks = build_model_chunks(cfg, plan, pstate)
     if found:
         say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
         ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
-    optimizer = build_optimizer(cfg, chunks, pstate)
-    start, consumed = _resume(found, cfg, pstate, chunks, optimizer) if found else (0, 0)
-    batches = MicroBatchIterator(data.train, t.global_batch_size, t.micro_batch_size, pstate.dp_rank,
-                                 pstate.dp_size, consumed_samples=consumed)
+    optimizer = build_optimizer(cfg, plan, chunks, pstate)
+    start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
+    batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None
-    if data.valid is not None and t.eval_interval:
-        eval_batches = lambda: MicroBatchIterator(data.valid, t.global_batch_size, t.micro_batch_size,  # noqa: E731
-                                                  pstate.dp_rank, pstate.dp_size)
+    if data.valid is not None and cfg.training.eval_interval:
+        eval_batches = lambda: MicroBatchIterator.from_plan(data.valid, plan, pstate.dp_rank)  # noqa: E731
     log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)
-    wandb = _wandb(cfg, pstate)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(cfg, pstate), batches, log,
+    wandb = _wandb(cfg, plan, pstate)
+    schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
+    trainer = Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
                       start_iteration=start, eval_batches=eval_batches,
-                      save=_saver(cfg, pstate, chunks, optimizer, batches), wandb=wandb)
+                      save=_saver(cfg, plan, pstate, chunks, optimizer, batches), wandb=wandb)
     try:
         return trainer.train()
     finally:

@@ -1,0 +1,246 @@
+"""The gradient-sync engine: buckets, grad hooks and every data-parallel collective of a step.
+
+Per step, for every bucket of every model chunk (``buffers.py``):
+
+    backward hooks      p.grad -> p.main_grad (accumulate), p.grad = None
+    bucket complete     (outside ``no_sync``) launch its DP communication, async:
+                          no sharding (ZeRO 0): all-reduce the bucket (pre-divided by dp)
+                          optimizer state sharded (ZeRO 1): reduce-scatter it in place into
+                                  this rank's shard
+                          gradients sharded (ZeRO 2): reduce-scatter it into the persistent
+                                  grad shard, then free the full-size bucket gradient
+    finish()            launch what the hooks did not, wait for all; sum replicated grads
+                        (SP params over TP, tied embedding over the embedding group) on the
+                        reduced shards
+    gather_params()     after the step updated the shards: all-gather the full buckets
+                        (async when ``overlap_param_gather``; each block waits for its own
+                        buckets in a forward pre-hook)
+
+Replicated-gradient sums commute with the DP sum, so doing them on the
+reduced shards, after the DP communication, gives the serial result while
+keeping every bucket in the overlapped path: TP ranks share one buffer layout
+and DP rank, so they own identical shards; the tied embedding has a bucket
+of its own, so both pipeline stages shard it identically.
+
+ZeRO 2 with several micro-batches (``no_sync`` active for all but the last
+backward) keeps the full-size bucket gradients as a transient accumulation
+buffer until the last micro-batch reduce-scatters them: one reduce-scatter
+per step, as ZeRO 1, at the price of a full gradient buffer during
+accumulation. With one micro-batch only the buckets in flight are full-size.
+
+How the next stages plug in (additions to this engine, not rewrites):
+
+- ZeRO 3 (``ZeroStage.shards_parameters``): ``ParamGradBuffer`` keeps only the
+  parameter *shard* of each bucket between uses, as ZeRO 2 keeps the grad shard.
+  The engine registers, per unit (a block: the same ModuleList/ModuleDict children
+  ``_register_gather_waits`` walks), a forward pre-hook that all-gathers the unit's
+  buckets into a transient full-size buffer and a post-hook that frees it; backward
+  gathers again through the same hooks on the recompute/backward path, and the grad
+  hooks reduce-scatter per unit as ZeRO 2 does. Prefetch is the ``_gathers`` table
+  this engine already keeps: launch unit i+1's gather when unit i starts, wait in
+  unit i+1's pre-hook. ``gather_params`` after the step becomes a no-op.
+- Offload (``RunPlan.placement``): a bucket's shard (grad shard, and the step's
+  master weights and moments) is given a placement; the engine copies each reduced
+  grad shard to its tier when the bucket retires (``_retire``), through a bounded
+  pool of staging buffers (pinned host memory on CUDA, files for disk), and the step
+  runs where the state lives, then copies the updated parameter shard back before
+  ``gather_params``. The collectives and their order do not change, so an offloaded
+  run is bitwise the in-memory run.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from ..run_plan import ZeroStage
+from .buffers import Bucket, ParamGradBuffer
+from .grads import all_reduce_coalesced
+
+# ZeRO 2: at most this many reduce-scatters in flight; launching another first waits for the oldest,
+# so the full-size bucket gradients alive during backward are bounded (in flight + the one filling).
+MAX_INFLIGHT_BUCKETS = 2
+
+
+class GradSyncEngine:
+    """Bucketed buffers of ``modules`` and their DP reduction/gather for ZeRO stage ``zero``."""
+
+    def __init__(self, modules: list[nn.Module], pstate: ParallelState, *, zero: ZeroStage,
+                 bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool) -> None:
+        self.pstate, self.zero = pstate, zero
+        self.sharded = zero.shards_optimizer_state  # each DP rank reduces into and updates its own shard
+        self.buffers: list[ParamGradBuffer] = []
+        for module in modules:
+            params = [p for p in module.parameters() if p.requires_grad]
+            dtypes = {p.dtype for p in params}
+            assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
+            self.buffers.append(ParamGradBuffer(
+                params, bucket_size=bucket_size, num_shards=pstate.dp if self.sharded else 1,
+                shard_rank=pstate.dp_rank if self.sharded else 0, param_dtype=dtypes.pop(),
+                grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device))
+        self._sync = True
+        self._inflight: list[tuple[ParamGradBuffer, Bucket, object]] = []
+        self._gathers: dict[tuple[int, int], object] = {}
+        self.overlap_param_gather = overlap_param_gather and self.sharded and pstate.dp_group is not None
+        for buf in self.buffers:
+            for b in buf.buckets:
+                for p in b.params:
+                    p.register_post_accumulate_grad_hook(self._grad_hook(buf, b))
+        if self.overlap_param_gather:
+            for i, module in enumerate(modules):
+                self._register_gather_waits(i, module)
+
+    # -- a step's gradients -------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        assert not self._inflight, "zero_grad() while gradient communication is in flight"
+        for buf in self.buffers:
+            buf.zero_grad()
+            for p in buf.params:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside only accumulate: buckets launch no communication."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish(self) -> None:
+        """Complete the step's reduction: every bucket's shard holds the summed, DP-averaged grads."""
+        for buf in self.buffers:
+            for b in buf.buckets:
+                if not b.launched:  # unused params, or no backward at all
+                    self._launch(buf, b)
+        self._reap(block=True)
+        self._sync_replicated_shards()
+
+    def grad_shards(self) -> list[list[torch.Tensor]]:
+        """This rank's reduced-gradient shard [shard_numel] of every bucket, per buffer."""
+        return [[buf.grad_shard(b) for b in buf.buckets] for buf in self.buffers]
+
+    def agree_over_dp(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> None:
+        """Reduce a step decision (``t``, e.g. an overflow flag) over the DP group."""
+        if self.pstate.dp_group is not None:
+            C.all_reduce(t, self.pstate.dp_group, op=op)
+
+    def sum_over_shards(self, t: torch.Tensor) -> None:
+        """Sum a per-shard quantity (e.g. a squared norm) over the DP ranks owning the other shards."""
+        if self.sharded and self.pstate.dp_group is not None:
+            C.all_reduce(t, self.pstate.dp_group)
+
+    # -- gradient communication -------------------------------------------------------------
+    def _grad_hook(self, buf: ParamGradBuffer, b: Bucket) -> Callable[[nn.Parameter], None]:
+        def hook(p: nn.Parameter) -> None:
+            if p.grad is None:
+                return
+            assert not b.launched, ("a gradient reached a bucket already communicated this step; the schedule "
+                                    "must run every backward but a chunk's last one inside optimizer.no_sync()")
+            buf.bucket_grad(b)  # ZeRO 2: allocate the transient bucket gradient on first use
+            p.main_grad.add_(p.grad)
+            p.grad = None
+            b.ready += 1
+            if b.ready == len(b.params):
+                b.ready = 0
+                if self._sync:
+                    self._launch(buf, b)
+
+        return hook
+
+    def _launch(self, buf: ParamGradBuffer, b: Bucket) -> None:
+        """Start bucket ``b``'s DP reduction (averaged: the bucket is pre-divided by dp)."""
+        grad_b, group = buf.bucket_grad(b), self.pstate.dp_group
+        b.launched = True
+        work = None
+        if group is None:
+            if self.zero.shards_gradients:
+                buf.grad_shard(b).copy_(grad_b)
+        else:
+            grad_b.div_(self.pstate.dp)
+            if not self.sharded:
+                work = C.all_reduce(grad_b, group, async_op=True)
+            else:  # in place when only the optimizer state is sharded (the shard is a view of grad_b)
+                work = C.reduce_scatter_tensor(buf.grad_shard(b), grad_b, group, async_op=True)
+        self._inflight.append((buf, b, work))
+        self._reap(block=False)
+        while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
+            self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
+
+    def _reap(self, block: bool) -> None:
+        """Retire finished reductions; ZeRO 2 frees their full-size bucket gradients."""
+        pending = []
+        for buf, b, work in self._inflight:
+            if work is None or block or work.is_completed():
+                self._retire(buf, b, work)
+            else:
+                pending.append((buf, b, work))
+        self._inflight = pending
+
+    @staticmethod
+    def _retire(buf: ParamGradBuffer, b: Bucket, work) -> None:
+        if work is not None:
+            work.wait()
+        buf.release(b)
+
+    def _sync_replicated_shards(self) -> None:
+        """Sum SP-replicated grads over TP and tied-embedding grads over the embedding group."""
+        tp_views, emb_views = [], []
+        for buf in self.buffers:
+            for b in buf.buckets:
+                shard = buf.grad_shard(b)
+                for seg in b.segments:
+                    if seg.tp_sync:
+                        tp_views.append(shard[seg.lo: seg.hi])
+                    if seg.emb_sync:
+                        emb_views.append(shard[seg.lo: seg.hi])
+        all_reduce_coalesced(tp_views, self.pstate.tp_group)
+        all_reduce_coalesced(emb_views, self.pstate.embedding_group)
+
+    # -- parameter all-gather -------------------------------------------------------------
+    def gather_params(self) -> None:
+        """Sharded stages: every rank updated its shard; gather the full buckets in forward order."""
+        group = self.pstate.dp_group
+        if not self.sharded or group is None:
+            return
+        for i, buf in enumerate(self.buffers):
+            for b in reversed(buf.buckets):  # the last bucket holds the first layers
+                work = C.all_gather_into_tensor(buf.param_bucket(b), buf.param_shard(b), group,
+                                                async_op=self.overlap_param_gather)
+                if self.overlap_param_gather:
+                    self._gathers[(i, b.index)] = work
+
+    def wait_param_gather(self) -> None:
+        """Block until every updated parameter has arrived (before reading weights outside forward)."""
+        for work in self._gathers.values():
+            work.wait()
+        self._gathers.clear()
+
+    def _register_gather_waits(self, index: int, module: nn.Module) -> None:
+        """Each block (element of a ModuleList/ModuleDict) waits for its buckets just before its
+        forward; parameters outside blocks (embeddings, head, final norm) at the chunk's start."""
+        buf = self.buffers[index]
+        bucket_of = {p: b.index for b in buf.buckets for p in b.params}
+        covered: set[nn.Parameter] = set()
+        for container in module.modules():
+            if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
+                for block in container.children():
+                    params = [p for p in block.parameters() if p in bucket_of]
+                    covered.update(params)
+                    block.register_forward_pre_hook(self._waiter(index, {bucket_of[p] for p in params}))
+        rest = {bucket_of[p] for p in buf.params if p not in covered}
+        module.register_forward_pre_hook(self._waiter(index, rest))
+
+    def _waiter(self, index: int, bucket_ids: set[int]) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            for j in sorted(bucket_ids, reverse=True):
+                work = self._gathers.pop((index, j), None)
+                if work is not None:
+                    work.wait()
+
+        return hook

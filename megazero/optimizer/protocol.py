@@ -1,0 +1,36 @@
+"""The optimizer as checkpoints see it: sharded state, piece by piece, plus a few scalars.
+
+Checkpoint save/load depend on this protocol only, not on ``DistributedOptimizer``:
+any optimizer that can list the pieces of parameters whose state it holds (and put
+loaded master weights back into the parameters) can be saved and resharded.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch import nn
+
+
+class ShardedOptimizerState(Protocol):
+    """Optimizer state split into per-parameter pieces, each owned by one DP rank (or by all)."""
+
+    @property
+    def shards_state_over_dp(self) -> bool:
+        """True when each DP rank owns different state (ZeRO 1/2); False when every DP rank holds all of it."""
+        ...
+
+    def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
+        """Per piece this rank updates: (param, flat offset into the TP-local param, fp32 views by name)."""
+        ...
+
+    def state_scalars(self) -> dict[str, Any]:
+        """Step count, loss scale and the like: identical on every rank."""
+        ...
+
+    def load_state_scalars(self, scalars: dict[str, Any]) -> None:
+        ...
+
+    def sync_params_from_master(self) -> None:
+        """After loading master pieces: cast them into the parameters and make every rank's copy whole."""
+        ...

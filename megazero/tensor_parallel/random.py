@@ -92,8 +92,6 @@ class DropoutRNG:
         self.states = {name: s.clone() for name, s in states.items()}
 
 
-TensorParallelRNG = DropoutRNG  # the name older callers (and tests/memory) construct
-
 
 def seed_everything(seed: int, pp_rank: int = 0) -> None:
     """Seed the default generator (dropout draws from ``DropoutRNG`` streams, not from it)."""

@@ -133,7 +133,7 @@ class Trainer:
         does not explain (``result.nonfinite``, or a non-finite loss). ``consecutive_skips``: NaN
         iterations skipped in a row; an applied step resets it, a loss-scale search skip leaves it.
         """
-        nonfinite = bool(getattr(result, "nonfinite", False)) or not math.isfinite(loss)
+        nonfinite = result.nonfinite or not math.isfinite(loss)
         self.skipped += int(result.skipped)
         self.nan_iterations += int(nonfinite)
         if not result.skipped:

@@ -20,7 +20,7 @@ from megazero.model.transformer import TPContext
 from megazero.optimizer.grads import sync_replicated_grads
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import initialize_parameters
-from megazero.tensor_parallel.random import TensorParallelRNG
+from megazero.tensor_parallel.random import DropoutRNG
 from tests.helpers.compare import full_grads, rel_err
 from tests.helpers.dist import spawn
 
@@ -37,7 +37,7 @@ def _build(pstate, arch: str, sp: bool, mode: str, dropout: float) -> tuple[GPTM
     cfg = ModelConfig(vocab_size=VOCAB, hidden_dropout=dropout, attention_dropout=dropout, **ARCHS[arch])
     torch.manual_seed(SEED)
     ctx = TPContext(group=pstate.tp_group, sequence_parallel=sp,
-                    rng=TensorParallelRNG(SEED, pstate.tp_rank, pstate.device))
+                    rng=DropoutRNG(SEED, pstate.tp_rank, pstate.device))
     model = GPTModel(cfg, ctx)
     initialize_parameters(model, SEED, pstate.tp_group)
     return apply_recompute(model, mode).train(), cfg

@@ -26,7 +26,7 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _require(ok: bool, message: str) -> None:
+def require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
@@ -35,8 +35,15 @@ def _require(ok: bool, message: str) -> None:
 class ParallelConfig:
     tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (ranks per TP group, inside a node).", "--tp")
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp")
-    zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients.",
-                    choices=(0, 1, 2))
+    zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients, "
+                    "3 also shard parameters (gathered one unit at a time).", choices=(0, 1, 2, 3))
+    zero3_unit_layers: int = opt(1, "ZeRO 3: transformer blocks per gathered unit (embeddings, final norm and head "
+                                 "form one more unit per chunk).")
+    zero3_prefetch: int = opt(1, "ZeRO 3: units whose all-gather is issued ahead of the one computing (next in "
+                              "forward, previous in backward); 0 = gather only when needed.")
+    reshard_after_forward: bool = opt(True, "ZeRO 3: free a unit's gathered parameters after its forward and gather "
+                                      "them again for its backward (3x parameter traffic); --no-reshard-after-"
+                                      "forward keeps them from forward to backward (2x, more memory).")
     sequence_parallel: bool = opt(False, "Shard LayerNorm/dropout regions along the sequence across TP ranks.")
     pipeline_schedule: str | None = opt(None, "Pipeline schedule; None = 1f1b, or interleaved when virtual "
                                         "stages are given ('interleaved' needs them).",
@@ -46,7 +53,8 @@ class ParallelConfig:
     bucket_size: int = opt(10_000_000, "Elements per gradient bucket: communication is launched per bucket "
                            "as it fills during backward (larger = fewer, bigger collectives).")
     overlap_param_gather: bool = opt(False, "ZeRO 1/2: all-gather updated weights asynchronously and wait for "
-                                     "each bucket only in the next forward that uses it.")
+                                     "each bucket only in the next forward that uses it (ZeRO 3 always gathers "
+                                     "per unit in forward, overlapped by --zero3-prefetch).")
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
         "None or 1 = one chunk.")
@@ -54,12 +62,14 @@ class ParallelConfig:
                                              "(a dead or stuck rank then ends the job; fractions allowed).")
 
     def __post_init__(self) -> None:
-        _require(self.distributed_timeout_minutes > 0,
+        require(self.distributed_timeout_minutes > 0,
                  f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
-        _require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
-        _require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
-        _require(self.zero in (0, 1, 2), f"--zero must be 0, 1 or 2, got {self.zero}.")
-        _require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
+        require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
+        require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
+        require(self.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {self.zero}.")
+        require(self.zero3_unit_layers >= 1, f"--zero3-unit-layers must be >= 1, got {self.zero3_unit_layers}.")
+        require(self.zero3_prefetch >= 0, f"--zero3-prefetch must be >= 0, got {self.zero3_prefetch}.")
+        require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
 
     @property
     def tp(self) -> int:
@@ -72,15 +82,15 @@ class ParallelConfig:
     def virtual_size(self, num_layers: int) -> int:
         """Model chunks per pipeline rank, from either virtual-stage flag (they must agree)."""
         per_stage, vp = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_size
-        _require(per_stage is None or per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1.")
-        _require(vp is None or vp >= 1, "--virtual-pipeline-size must be >= 1.")
+        require(per_stage is None or per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1.")
+        require(vp is None or vp >= 1, "--virtual-pipeline-size must be >= 1.")
         if per_stage is None:
             return vp or 1
-        _require(num_layers % (self.pp * per_stage) == 0,
+        require(num_layers % (self.pp * per_stage) == 0,
                  f"--num-layers ({num_layers}) must be divisible by --pp ({self.pp}) x "
                  f"--num-layers-per-virtual-pipeline-stage ({per_stage}); change one of them.")
         derived = num_layers // (self.pp * per_stage)
-        _require(vp is None or vp == derived,
+        require(vp is None or vp == derived,
                  f"--virtual-pipeline-size ({vp}) disagrees with --num-layers-per-virtual-pipeline-stage "
                  f"({per_stage}), which gives {derived} chunks; pass only one of them.")
         return derived
@@ -88,10 +98,10 @@ class ParallelConfig:
     def schedule_name(self, vp: int) -> str:
         """The schedule to run with ``vp`` chunks per rank: the flag, or 1f1b / interleaved by default."""
         name = self.pipeline_schedule or ("interleaved" if vp > 1 else "1f1b")
-        _require(name != "interleaved" or vp > 1,
+        require(name != "interleaved" or vp > 1,
                  "--pipeline-schedule interleaved needs --virtual-pipeline-size (or "
                  "--num-layers-per-virtual-pipeline-stage) giving >= 2 chunks per rank.")
-        _require(name == "interleaved" or vp == 1,
+        require(name == "interleaved" or vp == 1,
                  f"--pipeline-schedule {name} runs one chunk per rank; drop the virtual-stage flags or use "
                  f"--pipeline-schedule interleaved.")
         return name
@@ -131,18 +141,18 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            _require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
-        _require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
-        _require(self.hidden_size % self.num_attention_heads == 0,
+            require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
+        require(self.hidden_size % self.num_attention_heads == 0,
                  f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                  f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension.")
         groups = self.query_groups
-        _require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
+        require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
                  f"({groups}); use a divisor of the head count.")
-        _require(0.0 <= self.hidden_dropout < 1 and 0.0 <= self.attention_dropout < 1,
+        require(0.0 <= self.hidden_dropout < 1 and 0.0 <= self.attention_dropout < 1,
                  "--hidden-dropout and --attention-dropout must be in [0, 1).")
-        _require(self.position_table_size >= self.seq_length,
+        require(self.position_table_size >= self.seq_length,
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
                  f"({self.seq_length}).")
         self._check_rope_scaling()
@@ -150,20 +160,20 @@ class ModelConfig:
     def _check_rope_scaling(self) -> None:
         """Scaling values must make sense, and never be given without a type that uses them."""
         kind = self.rope_scaling_type
-        _require(kind in (None, "llama3"), f"--rope-scaling-type must be llama3 or omitted, got {kind!r}.")
-        _require(kind is None or self.arch == "llama",
+        require(kind in (None, "llama3"), f"--rope-scaling-type must be llama3 or omitted, got {kind!r}.")
+        require(kind is None or self.arch == "llama",
                  f"--rope-scaling-type {kind} needs --arch llama (gpt2 has no RoPE); drop the flag.")
         values = (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
                   self.rope_scaling_original_max_position_embeddings)
-        _require(kind is not None or values == (8.0, 1.0, 4.0, 8192),
+        require(kind is not None or values == (8.0, 1.0, 4.0, 8192),
                  "--rope-scaling-factor/-low-freq-factor/-high-freq-factor/-original-max-position-embeddings "
                  "only apply with --rope-scaling-type llama3; add it or drop them.")
-        _require(self.rope_scaling_factor >= 1.0,
+        require(self.rope_scaling_factor >= 1.0,
                  f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}.")
-        _require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
+        require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
                  f"--rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) must be > 0 and below "
                  f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}).")
-        _require(self.rope_scaling_original_max_position_embeddings >= 1,
+        require(self.rope_scaling_original_max_position_embeddings >= 1,
                  f"--rope-scaling-original-max-position-embeddings must be >= 1, got "
                  f"{self.rope_scaling_original_max_position_embeddings}.")
 
@@ -215,10 +225,10 @@ class OptimizerConfig:
     clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.")
 
     def __post_init__(self) -> None:
-        _require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0.")
-        _require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
-        _require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping).")
-        _require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
+        require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0.")
+        require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
+        require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping).")
+        require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -255,19 +265,19 @@ class TrainingConfig:
                                            "each model chunk; None = all of them.")
 
     def __post_init__(self) -> None:
-        _require(self.recompute in ("none", "selective", "full"),
+        require(self.recompute in ("none", "selective", "full"),
                  f"--recompute must be none, selective or full, got {self.recompute!r}.")
-        _require(self.recompute_num_layers is None or self.recompute_num_layers >= 0,
+        require(self.recompute_num_layers is None or self.recompute_num_layers >= 0,
                  "--recompute-num-layers must be >= 0 (or omitted for all blocks).")
         for name in ("micro_batch_size", "global_batch_size", "train_iters"):
-            _require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
-        _require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; pick one.")
-        _require(self.main_grads_dtype == "fp32" or self.bf16 or self.fp16,
+            require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; pick one.")
+        require(self.main_grads_dtype == "fp32" or self.bf16 or self.fp16,
                  "--main-grads-dtype bf16 needs --bf16 or --fp16; drop it for fp32 training.")
-        _require(self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale,
+        require(self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale,
                  "--initial-loss-scale must be >= --min-loss-scale > 0.")
-        _require(self.loss_scale_window >= 1, "--loss-scale-window must be >= 1.")
-        _require(self.max_skipped_steps >= 0,
+        require(self.loss_scale_window >= 1, "--loss-scale-window must be >= 1.")
+        require(self.max_skipped_steps >= 0,
                  f"--max-skipped-steps must be >= 0 (0 = never stop), got {self.max_skipped_steps}.")
 
 
@@ -287,7 +297,7 @@ class LoggingConfig:
     wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.")
 
     def __post_init__(self) -> None:
-        _require(self.log_interval >= 1, "--log-interval must be >= 1.")
+        require(self.log_interval >= 1, "--log-interval must be >= 1.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -300,8 +310,8 @@ class CheckpointConfig:
     keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.")
 
     def __post_init__(self) -> None:
-        _require(self.save_interval >= 0, "--save-interval must be >= 0.")
-        _require(self.keep_last is None or self.keep_last >= 1, "--keep-last must be >= 1.")
+        require(self.save_interval >= 0, "--save-interval must be >= 0.")
+        require(self.keep_last is None or self.keep_last >= 1, "--keep-last must be >= 1.")
 
 
 def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -310,7 +320,7 @@ def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
     per_section: dict[str, dict[str, Any]] = {}
     for key, value in settings.items():
         name = key.replace("-", "_")
-        _require(name in owners, f"unknown setting {key!r}; see `pretrain_gpt.py --help` for the names.")
+        require(name in owners, f"unknown setting {key!r}; see `pretrain_gpt.py --help` for the names.")
         per_section.setdefault(owners[name], {})[name] = value
     return per_section
 
@@ -355,44 +365,3 @@ class Config:
 
     def to_flat(self) -> dict[str, Any]:
         return {f.name: getattr(getattr(self, s), f.name) for s, k in SECTIONS.items() for f in fields(k)}
-
-    def check_batch(self, dp: int) -> int:
-        """Micro-batches per step for this DP size; raises unless the batch splits evenly."""
-        t = self.training
-        _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
-                 f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
-                 f"({t.micro_batch_size}) x data-parallel size ({dp}); adjust one of them.")
-        return t.global_batch_size // (t.micro_batch_size * dp)
-
-    def check_pipeline(self, dp: int, micro_batches: int) -> tuple[int, str]:
-        """Layers must split evenly into pp x vp chunks; interleaving needs m divisible by pp.
-
-        Returns (vp, schedule name); ``micro_batches`` is ``check_batch(dp)``'s answer.
-        """
-        pp, layers = self.parallel.pp, self.model.num_layers
-        _require(pp <= layers, f"--pipeline-model-parallel-size/--pp ({pp}) exceeds --num-layers ({layers}); "
-                               f"every stage needs at least one layer, so lower --pp.")
-        _require(layers % pp == 0, f"--num-layers ({layers}) must be divisible by --pp ({pp}); "
-                                   f"choose a --pp that divides the layer count.")
-        vp = self.parallel.virtual_size(layers)
-        _require(layers % (pp * vp) == 0,
-                 f"--num-layers ({layers}) must be divisible by --pp ({pp}) x --virtual-pipeline-size ({vp}); "
-                 f"change one of them.")
-        schedule, m = self.parallel.schedule_name(vp), micro_batches
-        if schedule == "interleaved":
-            _require(pp >= 2, "the interleaved schedule needs --pp >= 2; drop the virtual-stage flags.")
-            _require(m % pp == 0,
-                     f"the interleaved schedule needs micro-batches per step ({m} = --global-batch-size "
-                     f"{self.training.global_batch_size} / (--micro-batch-size {self.training.micro_batch_size} "
-                     f"x dp {dp})) divisible by --pp ({pp}); adjust --global-batch-size.")
-        return vp, schedule
-
-    def check_tensor_parallel(self) -> None:
-        """The model must split evenly over TP ranks (heads, query groups, MLP width)."""
-        tp, m = self.parallel.tp, self.model
-        for what, value in (("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
-                            ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size)):
-            _require(value % tp == 0, f"{what} ({value}) must be divisible by --tensor-model-parallel-size "
-                                      f"({tp}); choose a --tp that divides it.")
-        _require(not self.parallel.sequence_parallel or m.seq_length % tp == 0,
-                 f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp}) with --sequence-parallel.")

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, require
 from .parallel.layout import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -34,6 +34,7 @@ class ZeroStage(enum.IntEnum):
     NONE = 0  # DDP: every DP rank holds everything; gradients are all-reduced
     OPTIMIZER_STATE = 1  # fp32 master weights and Adam moments sharded
     GRADIENTS = 2  # ... and the gradients (no full-size gradient buffer kept between steps)
+    PARAMETERS = 3  # ... and the compute-precision parameters (gathered one unit at a time)
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -45,8 +46,16 @@ class ZeroStage(enum.IntEnum):
 
     @property
     def shards_parameters(self) -> bool:
-        """ZeRO-3: parameters too (not yet built)."""
-        return False
+        return self >= ZeroStage.PARAMETERS
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnitGathering:
+    """How ZeRO 3 gathers parameters (``optimizer/param_units.py``)."""
+
+    layers_per_unit: int = 1  # transformer blocks per unit; each chunk's embeddings + head are one more
+    prefetch: int = 1  # units whose all-gather runs ahead of the one computing
+    reshard_after_forward: bool = True  # False: keep a unit gathered from its forward to its backward
 
 
 class Placement(str, enum.Enum):
@@ -80,15 +89,16 @@ class RunPlan:
     vocab_size: int | None  # None until the tokenizer (or --vocab-size, or a checkpoint) says
     padded_vocab_size: int | None  # a multiple of --make-vocab-size-divisible-by x tp
     placement: StatePlacement = field(default_factory=StatePlacement)
+    gathering: UnitGathering | None = None  # ZeRO 3 only
 
     @classmethod
     def resolve(cls, cfg: Config, layout: Layout) -> "RunPlan":
         """Validate ``cfg`` for ``layout`` and derive the plan; raises ConfigError naming the flag."""
         if (layout.tp, layout.pp) != (cfg.parallel.tp, cfg.parallel.pp):
             raise ConfigError(f"layout {layout} does not match --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}.")
-        cfg.check_tensor_parallel()
-        micro_batches = cfg.check_batch(layout.dp)
-        vp, schedule = cfg.check_pipeline(layout.dp, micro_batches)
+        _check_tensor_parallel(cfg)
+        micro_batches = _micro_batches(cfg, layout.dp)
+        vp, schedule = _pipeline(cfg, layout.dp, micro_batches)
         t, m = cfg.training, cfg.model
         compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
         seq = m.seq_length // layout.tp if cfg.parallel.sequence_parallel else m.seq_length
@@ -100,7 +110,8 @@ class RunPlan:
                    stage_shape=(seq, t.micro_batch_size, m.hidden_size), compute_dtype=compute,
                    main_grads_dtype=DTYPES[t.main_grads_dtype] if compute != torch.float32 else torch.float32,
                    vocab_size=m.vocab_size,
-                   padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp))
+                   padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp),
+                   gathering=_gathering(cfg))
 
     @property
     def tp(self) -> int:
@@ -126,3 +137,55 @@ class RunPlan:
 def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, Any]:
     """The one schema of a recorded layout (a converter writes it for a layout it never runs)."""
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero), "virtual_stages": virtual_stages}
+
+
+def _gathering(cfg: Config) -> UnitGathering | None:
+    p = cfg.parallel
+    if not ZeroStage(p.zero).shards_parameters:
+        return None
+    return UnitGathering(layers_per_unit=p.zero3_unit_layers, prefetch=p.zero3_prefetch,
+                         reshard_after_forward=p.reshard_after_forward)
+
+
+def _micro_batches(cfg: Config, dp: int) -> int:
+    """Micro-batches per step for this DP size; raises unless the batch splits evenly."""
+    t = cfg.training
+    require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"--global-batch-size ({t.global_batch_size}) must be divisible by --micro-batch-size "
+             f"({t.micro_batch_size}) x data-parallel size ({dp}); adjust one of them.")
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def _pipeline(cfg: Config, dp: int, micro_batches: int) -> tuple[int, str]:
+    """Layers must split evenly into pp x vp chunks; interleaving needs m divisible by pp.
+
+    Returns (vp, schedule name); ``micro_batches`` is ``_micro_batches``'s answer.
+    """
+    pp, layers = cfg.parallel.pp, cfg.model.num_layers
+    require(pp <= layers, f"--pipeline-model-parallel-size/--pp ({pp}) exceeds --num-layers ({layers}); "
+                           f"every stage needs at least one layer, so lower --pp.")
+    require(layers % pp == 0, f"--num-layers ({layers}) must be divisible by --pp ({pp}); "
+                               f"choose a --pp that divides the layer count.")
+    vp = cfg.parallel.virtual_size(layers)
+    require(layers % (pp * vp) == 0,
+             f"--num-layers ({layers}) must be divisible by --pp ({pp}) x --virtual-pipeline-size ({vp}); "
+             f"change one of them.")
+    schedule, m = cfg.parallel.schedule_name(vp), micro_batches
+    if schedule == "interleaved":
+        require(pp >= 2, "the interleaved schedule needs --pp >= 2; drop the virtual-stage flags.")
+        require(m % pp == 0,
+                 f"the interleaved schedule needs micro-batches per step ({m} = --global-batch-size "
+                 f"{cfg.training.global_batch_size} / (--micro-batch-size {cfg.training.micro_batch_size} "
+                 f"x dp {dp})) divisible by --pp ({pp}); adjust --global-batch-size.")
+    return vp, schedule
+
+
+def _check_tensor_parallel(cfg: Config) -> None:
+    """The model must split evenly over TP ranks (heads, query groups, MLP width)."""
+    tp, m = cfg.parallel.tp, cfg.model
+    for what, value in (("--hidden-size", m.hidden_size), ("--num-attention-heads", m.num_attention_heads),
+                        ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size)):
+        require(value % tp == 0, f"{what} ({value}) must be divisible by --tensor-model-parallel-size "
+                                  f"({tp}); choose a --tp that divides it.")
+    require(not cfg.parallel.sequence_parallel or m.seq_length % tp == 0,
+             f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp}) with --sequence-parallel.")

@@ -29,7 +29,8 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 def measured_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
     """Bytes this rank holds (``megazero.memory.model_state_bytes`` is the formula they should match)."""
-    params = storage_bytes(buf.param_data for buf in opt.buffers)
+    params = storage_bytes([buf.param_data for buf in opt.buffers] + [buf.param_shard_data for buf in opt.buffers]
+                           + [b.param for buf in opt.buffers for b in buf.buckets])  # ZeRO 3: only gathered ones
     grads = storage_bytes([buf.grad_data for buf in opt.buffers] + [buf.grad_shard_data for buf in opt.buffers]
                           + [b.grad for buf in opt.buffers for b in buf.buckets])
     optimizer = storage_bytes(t for state in opt.states for t in state.tensors())
@@ -54,7 +55,7 @@ def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: Pa
         "num_parameters": counted_parameters(chunks, pstate),
         "local_parameters": sum(p.numel() for b in opt.buffers for p in b.params),
         "layout": {"tp": pstate.tp, "pp": pstate.pp, "dp": pstate.dp, "zero": int(opt.zero),
-                   "param_dtype": str(buf.param_data.dtype).replace("torch.", ""),
+                   "param_dtype": str(buf.param_dtype).replace("torch.", ""),
                    "main_grads_dtype": str(buf.grad_dtype).replace("torch.", ""),
                    "buckets": sum(len(b.buckets) for b in opt.buffers)},
     }

@@ -16,9 +16,20 @@ stage shard it identically and can sum their shards over the embedding group.
 Gradient storage depends on the stage:
 - ``shard_grads=False`` (ZeRO 0/1): one persistent full-size grad buffer;
   a bucket's shard is a view into it (reduce-scatter runs in place).
-- ``shard_grads=True`` (ZeRO 2): a persistent grad *shard* per bucket, and
+- ``shard_grads=True`` (ZeRO 2/3): a persistent grad *shard* per bucket, and
   a full-size bucket gradient that exists only from the first gradient that
-  reaches the bucket in a step until its reduce-scatter has completed.
+  reaches the bucket in a step (ZeRO 3: in a micro-batch) until its
+  reduce-scatter has completed.
+
+Parameter storage likewise:
+- ``shard_params=False`` (ZeRO 0/1/2): the flat ``param_data`` holds every
+  parameter; a bucket's parameter shard is a view into it.
+- ``shard_params=True`` (ZeRO 3): a persistent parameter *shard* per bucket
+  (``param_shard_data``), and per bucket a full-size tensor with a storage of
+  its own that the parameters stay views of; ``free_params`` resizes that
+  storage to 0 bytes and ``materialize_params`` gives it its bytes back for an
+  all-gather to fill. ``unit_of`` closes buckets at ZeRO-3 unit boundaries, so
+  a unit gathers whole buckets.
 """
 from __future__ import annotations
 
@@ -84,16 +95,20 @@ class Bucket:
     segments: list[Segment] = field(default_factory=list)
     ready: int = 0  # params whose grads arrived in the current backward
     launched: bool = False  # gradient communication issued this step
-    grad: torch.Tensor | None = None  # full-size bucket gradient (transient under ZeRO 2)
+    grad: torch.Tensor | None = None  # full-size bucket gradient (transient under ZeRO 2/3)
+    param: torch.Tensor | None = None  # ZeRO 3: full-size parameters, own storage (0 bytes while freed)
 
     @property
     def shard_numel(self) -> int:
         return self.shard_hi - self.shard_lo
 
 
-def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int,
-                 shard_rank: int) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
-    """Group params (already in buffer order) into padded buckets; returns buckets and param offsets."""
+def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int, shard_rank: int,
+                 unit_of: dict[nn.Parameter, int] | None = None) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
+    """Group params (already in buffer order) into padded buckets; returns buckets and param offsets.
+
+    With ``unit_of`` (ZeRO 3) a bucket never holds parameters of two units.
+    """
     buckets: list[Bucket] = []
     offsets: dict[nn.Parameter, int] = {}
     pending: list[nn.Parameter] = []
@@ -114,7 +129,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int,
 
     for p in params:
         tied = spec_of(p).tied_role is not None
-        if tied:
+        if tied or (unit_of is not None and pending and unit_of[pending[0]] != unit_of[p]):
             close()  # a tied embedding is alone in its bucket (same shards on both stages)
         offsets[p] = cursor + sum(q.numel() for q in pending)
         pending.append(p)
@@ -133,26 +148,54 @@ class ParamGradBuffer:
     """Flat storage for one chunk's parameters and main gradients (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], *, bucket_size: int, num_shards: int, shard_rank: int,
-                 param_dtype: torch.dtype, grad_dtype: torch.dtype, shard_grads: bool,
-                 device: torch.device) -> None:
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, shard_grads: bool, device: torch.device,
+                 shard_params: bool = False, unit_of: dict[nn.Parameter, int] | None = None) -> None:
         self.params = list(reversed(params))  # backward order
         self.num_shards, self.grad_dtype, self.shard_grads = num_shards, grad_dtype, shard_grads
-        self.buckets, self.offsets = plan_buckets(self.params, bucket_size, num_shards, shard_rank)
+        self.param_dtype, self.shard_params = param_dtype, shard_params
+        self.buckets, self.offsets = plan_buckets(self.params, bucket_size, num_shards, shard_rank, unit_of)
         self.numel = sum(b.numel for b in self.buckets)
         self.device = device
-        self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
-        for p in self.params:
-            view = self.param_data[self.offsets[p]: self.offsets[p] + p.numel()]
-            view.copy_(p.data.reshape(-1))
-            p.data = view.view_as(p)  # the model now computes with views into the buffer
+        self.param_data: torch.Tensor | None = None  # every parameter (ZeRO 0/1/2)
+        self.param_shard_data: torch.Tensor | None = None  # persistent parameter shards (ZeRO 3)
+        if shard_params:
+            self.param_shard_data = torch.zeros(self.numel // num_shards, dtype=param_dtype, device=device)
+            for b in self.buckets:
+                b.param = torch.zeros(b.numel, dtype=param_dtype, device=device)
+                self._attach_params(b, b.param)
+                self.param_shard(b).copy_(b.param[b.shard_lo - b.offset: b.shard_hi - b.offset])
+                self.free_params(b)
+        else:
+            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+            for b in self.buckets:
+                self._attach_params(b, self.param_data[b.offset: b.offset + b.numel])
         self.grad_data: torch.Tensor | None = None  # full main-grad buffer (ZeRO 0/1)
-        self.grad_shard_data: torch.Tensor | None = None  # persistent grad shards (ZeRO 2)
+        self.grad_shard_data: torch.Tensor | None = None  # persistent grad shards (ZeRO 2/3)
         if shard_grads:
             self.grad_shard_data = torch.zeros(self.numel // num_shards, dtype=grad_dtype, device=device)
         else:
             self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
             for b in self.buckets:
                 self._attach_grad(b, self.grad_data[b.offset: b.offset + b.numel])
+
+    def _attach_params(self, b: Bucket, param_b: torch.Tensor) -> None:
+        """Copy every param of ``b`` into ``param_b`` [numel]; the model then computes with views into it."""
+        for p in b.params:
+            start = self.offsets[p] - b.offset
+            view = param_b[start: start + p.numel()]
+            view.copy_(p.data.reshape(-1))
+            p.data = view.view_as(p)
+
+    def materialize_params(self, b: Bucket) -> torch.Tensor:
+        """ZeRO 3: give bucket ``b``'s full-size parameter storage its bytes back (contents undefined)."""
+        storage = b.param.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(b.numel * b.param.element_size())
+        return b.param
+
+    def free_params(self, b: Bucket) -> None:
+        """ZeRO 3: drop the full-size parameters of ``b``; the params keep their shapes but have no bytes."""
+        b.param.untyped_storage().resize_(0)
 
     def _attach_grad(self, b: Bucket, grad_b: torch.Tensor) -> None:
         """Point ``p.main_grad`` of every param of ``b`` into the bucket gradient ``grad_b`` [numel]."""
@@ -183,15 +226,24 @@ class ParamGradBuffer:
         return self.grad_data[b.shard_lo: b.shard_hi]
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
+        """This rank's parameter shard [shard_numel] of bucket ``b`` (what the optimizer step updates)."""
+        if self.shard_params:
+            lo = b.offset // self.num_shards
+            return self.param_shard_data[lo: lo + b.shard_numel]
         return self.param_data[b.shard_lo: b.shard_hi]
 
     def param_bucket(self, b: Bucket) -> torch.Tensor:
+        """The full-size parameters [numel] of bucket ``b`` (ZeRO 3: materialized first)."""
+        if self.shard_params:
+            return self.materialize_params(b)
         return self.param_data[b.offset: b.offset + b.numel]
 
     def zero_grad(self) -> None:
         """Start a step: accumulation restarts from zero and no bucket has communicated."""
         if self.grad_data is not None:
             self.grad_data.zero_()
+        if self.shard_params:  # ZeRO 3 adds every micro-batch's reduce-scatter into the shard
+            self.grad_shard_data.zero_()
         for b in self.buckets:
             b.ready, b.launched = 0, False
             if self.shard_grads:

@@ -28,24 +28,22 @@ buffer until the last micro-batch reduce-scatters them: one reduce-scatter
 per step, as ZeRO 1, at the price of a full gradient buffer during
 accumulation. With one micro-batch only the buckets in flight are full-size.
 
-How the next stages plug in (additions to this engine, not rewrites):
+ZeRO 3 (``ZeroStage.shards_parameters``) adds ``ParameterUnits``
+(``param_units.py``): the buffers keep only parameter shards between uses, units
+gather and free them around their forward and backward, and every micro-batch's
+backward reduce-scatters each bucket as it completes (``no_sync`` does not apply)
+into a temporary shard that is added to the persistent grad shard: no full-size
+gradient outlives its bucket's reduce-scatter, at m reduce-scatters per step.
+``gather_params`` is then a no-op: the next forward gathers.
 
-- ZeRO 3 (``ZeroStage.shards_parameters``): ``ParamGradBuffer`` keeps only the
-  parameter *shard* of each bucket between uses, as ZeRO 2 keeps the grad shard.
-  The engine registers, per unit (a block: the same ModuleList/ModuleDict children
-  ``_register_gather_waits`` walks), a forward pre-hook that all-gathers the unit's
-  buckets into a transient full-size buffer and a post-hook that frees it; backward
-  gathers again through the same hooks on the recompute/backward path, and the grad
-  hooks reduce-scatter per unit as ZeRO 2 does. Prefetch is the ``_gathers`` table
-  this engine already keeps: launch unit i+1's gather when unit i starts, wait in
-  unit i+1's pre-hook. ``gather_params`` after the step becomes a no-op.
-- Offload (``RunPlan.placement``): a bucket's shard (grad shard, and the step's
-  master weights and moments) is given a placement; the engine copies each reduced
-  grad shard to its tier when the bucket retires (``_retire``), through a bounded
-  pool of staging buffers (pinned host memory on CUDA, files for disk), and the step
-  runs where the state lives, then copies the updated parameter shard back before
-  ``gather_params``. The collectives and their order do not change, so an offloaded
-  run is bitwise the in-memory run.
+How offload plugs in (an addition to this engine, not a rewrite): a bucket's
+shard (grad shard, and the step's master weights and moments) is given a
+placement (``RunPlan.placement``); the engine copies each reduced grad shard to
+its tier when the bucket retires (``_retire``), through a bounded pool of
+staging buffers (pinned host memory on CUDA, files for disk), and the step runs
+where the state lives, then copies the updated parameter shard back before
+``gather_params``. The collectives and their order do not change, so an
+offloaded run is bitwise the in-memory run.
 """
 from __future__ import annotations
 
@@ -58,11 +56,12 @@ from torch import nn
 
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import ZeroStage
+from ..run_plan import UnitGathering, ZeroStage
 from .buffers import Bucket, ParamGradBuffer
 from .grads import all_reduce_coalesced
+from .param_units import ParameterUnits, plan_units
 
-# ZeRO 2: at most this many reduce-scatters in flight; launching another first waits for the oldest,
+# ZeRO 2/3: at most this many reduce-scatters in flight; launching another first waits for the oldest,
 # so the full-size bucket gradients alive during backward are bounded (in flight + the one filling).
 MAX_INFLIGHT_BUCKETS = 2
 
@@ -71,26 +70,33 @@ class GradSyncEngine:
     """Bucketed buffers of ``modules`` and their DP reduction/gather for ZeRO stage ``zero``."""
 
     def __init__(self, modules: list[nn.Module], pstate: ParallelState, *, zero: ZeroStage,
-                 bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool) -> None:
+                 bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
+                 gathering: UnitGathering | None = None) -> None:
         self.pstate, self.zero = pstate, zero
         self.sharded = zero.shards_optimizer_state  # each DP rank reduces into and updates its own shard
+        assert zero.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
+        units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
         self.buffers: list[ParamGradBuffer] = []
-        for module in modules:
+        for module, chunk_units in zip(modules, units):
             params = [p for p in module.parameters() if p.requires_grad]
             dtypes = {p.dtype for p in params}
             assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
+            unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u[2]}
             self.buffers.append(ParamGradBuffer(
                 params, bucket_size=bucket_size, num_shards=pstate.dp if self.sharded else 1,
                 shard_rank=pstate.dp_rank if self.sharded else 0, param_dtype=dtypes.pop(),
-                grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device))
+                grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device,
+                shard_params=zero.shards_parameters, unit_of=unit_of))
         self._sync = True
-        self._inflight: list[tuple[ParamGradBuffer, Bucket, object]] = []
+        self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None]] = []
         self._gathers: dict[tuple[int, int], object] = {}
-        self.overlap_param_gather = overlap_param_gather and self.sharded and pstate.dp_group is not None
+        self.overlap_param_gather = (overlap_param_gather and self.sharded and not zero.shards_parameters
+                                     and pstate.dp_group is not None)
         for buf in self.buffers:
             for b in buf.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook(buf, b))
+        self.units = ParameterUnits(modules, self.buffers, units, pstate, gathering) if gathering else None
         if self.overlap_param_gather:
             for i, module in enumerate(modules):
                 self._register_gather_waits(i, module)
@@ -119,6 +125,8 @@ class GradSyncEngine:
                 if not b.launched:  # unused params, or no backward at all
                     self._launch(buf, b)
         self._reap(block=True)
+        if self.units is not None:
+            self.units.free_all()
         self._sync_replicated_shards()
 
     def grad_shards(self) -> list[list[torch.Tensor]]:
@@ -140,15 +148,16 @@ class GradSyncEngine:
         def hook(p: nn.Parameter) -> None:
             if p.grad is None:
                 return
-            assert not b.launched, ("a gradient reached a bucket already communicated this step; the schedule "
-                                    "must run every backward but a chunk's last one inside optimizer.no_sync()")
-            buf.bucket_grad(b)  # ZeRO 2: allocate the transient bucket gradient on first use
+            assert not b.launched or self.zero.shards_parameters, (
+                "a gradient reached a bucket already communicated this step; the schedule must run every "
+                "backward but a chunk's last one inside optimizer.no_sync()")
+            buf.bucket_grad(b)  # ZeRO 2/3: allocate the transient bucket gradient on first use
             p.main_grad.add_(p.grad)
             p.grad = None
             b.ready += 1
             if b.ready == len(b.params):
                 b.ready = 0
-                if self._sync:
+                if self._sync or self.zero.shards_parameters:  # ZeRO 3 reduces every micro-batch
                     self._launch(buf, b)
 
         return hook
@@ -157,17 +166,22 @@ class GradSyncEngine:
         """Start bucket ``b``'s DP reduction (averaged: the bucket is pre-divided by dp)."""
         grad_b, group = buf.bucket_grad(b), self.pstate.dp_group
         b.launched = True
-        work = None
+        work, partial = None, None
         if group is None:
-            if self.zero.shards_gradients:
+            if self.zero.shards_parameters:
+                buf.grad_shard(b).add_(grad_b)
+            elif self.zero.shards_gradients:
                 buf.grad_shard(b).copy_(grad_b)
         else:
             grad_b.div_(self.pstate.dp)
             if not self.sharded:
                 work = C.all_reduce(grad_b, group, async_op=True)
+            elif self.zero.shards_parameters:  # this micro-batch's share, added to the shard on retiring
+                partial = torch.empty_like(buf.grad_shard(b))
+                work = C.reduce_scatter_tensor(partial, grad_b, group, async_op=True)
             else:  # in place when only the optimizer state is sharded (the shard is a view of grad_b)
                 work = C.reduce_scatter_tensor(buf.grad_shard(b), grad_b, group, async_op=True)
-        self._inflight.append((buf, b, work))
+        self._inflight.append((buf, b, work, partial))
         self._reap(block=False)
         while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
@@ -175,17 +189,20 @@ class GradSyncEngine:
     def _reap(self, block: bool) -> None:
         """Retire finished reductions; ZeRO 2 frees their full-size bucket gradients."""
         pending = []
-        for buf, b, work in self._inflight:
+        for entry in self._inflight:
+            work = entry[2]
             if work is None or block or work.is_completed():
-                self._retire(buf, b, work)
+                self._retire(*entry)
             else:
-                pending.append((buf, b, work))
+                pending.append(entry)
         self._inflight = pending
 
     @staticmethod
-    def _retire(buf: ParamGradBuffer, b: Bucket, work) -> None:
+    def _retire(buf: ParamGradBuffer, b: Bucket, work, partial: torch.Tensor | None) -> None:
         if work is not None:
             work.wait()
+        if partial is not None:
+            buf.grad_shard(b).add_(partial)
         buf.release(b)
 
     def _sync_replicated_shards(self) -> None:
@@ -206,7 +223,7 @@ class GradSyncEngine:
     def gather_params(self) -> None:
         """Sharded stages: every rank updated its shard; gather the full buckets in forward order."""
         group = self.pstate.dp_group
-        if not self.sharded or group is None:
+        if not self.sharded or group is None or self.zero.shards_parameters:  # ZeRO 3: the next forward gathers
             return
         for i, buf in enumerate(self.buffers):
             for b in reversed(buf.buckets):  # the last bucket holds the first layers

@@ -6,6 +6,7 @@ loaded master weights back into the parameters) can be saved and resharded.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -29,6 +30,10 @@ class ShardedOptimizerState(Protocol):
         ...
 
     def load_state_scalars(self, scalars: dict[str, Any]) -> None:
+        ...
+
+    def full_parameters(self) -> AbstractContextManager[None]:
+        """Inside, every parameter of this rank's chunks is readable (ZeRO 3 gathers them; collective)."""
         ...
 
     def sync_params_from_master(self) -> None:

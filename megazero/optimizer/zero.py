@@ -14,6 +14,7 @@ checkpoints save and load through.
 from __future__ import annotations
 
 import math
+import contextlib
 from contextlib import AbstractContextManager
 from typing import Any, Iterator
 
@@ -24,7 +25,7 @@ from torch import nn
 from ..config import Config, OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import RunPlan, ZeroStage
+from ..run_plan import RunPlan, UnitGathering, ZeroStage
 from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
@@ -38,10 +39,13 @@ class DistributedOptimizer:
     def __init__(self, modules: list[nn.Module], cfg: OptimizerConfig, pstate: ParallelState, *,
                  zero: ZeroStage | int = ZeroStage.NONE, bucket_size: int = 10_000_000,
                  main_grads_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
-                 scaler: DynamicLossScaler | None = None) -> None:
+                 scaler: DynamicLossScaler | None = None, gathering: UnitGathering | None = None) -> None:
         self.cfg, self.pstate, self.zero, self.scaler = cfg, pstate, ZeroStage(zero), scaler
+        if self.zero.shards_parameters and gathering is None:
+            gathering = UnitGathering()
         self.sync = GradSyncEngine(modules, pstate, zero=self.zero, bucket_size=bucket_size,
-                                   main_grads_dtype=main_grads_dtype, overlap_param_gather=overlap_param_gather)
+                                   main_grads_dtype=main_grads_dtype, overlap_param_gather=overlap_param_gather,
+                                   gathering=gathering)
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
         self.states = [ShardedAdamState([buf.param_shard(b) for b in buf.buckets]) for buf in self.buffers]
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
@@ -62,6 +66,24 @@ class DistributedOptimizer:
     def wait_param_gather(self) -> None:
         """Block until every updated parameter has arrived (before reading weights outside forward)."""
         self.sync.wait_param_gather()
+
+    @contextlib.contextmanager
+    def full_parameters(self) -> Iterator[None]:
+        """Every parameter of this rank's chunks readable inside (a collective over DP: call on every rank).
+
+        ZeRO 3 gathers every unit for the duration (the whole TP/PP-local model on this rank, as
+        FSDP's full state dict does) and frees them after; other stages wait for the last gather.
+        """
+        self.sync.wait_param_gather()
+        units = self.sync.units
+        if units is None:
+            yield
+            return
+        units.gather_all()
+        try:
+            yield
+        finally:
+            units.free_all()
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -130,7 +152,7 @@ class DistributedOptimizer:
     # -- checkpoint interface (ShardedOptimizerState) ------------------------------------------
     @property
     def shards_state_over_dp(self) -> bool:
-        """ZeRO 1/2: each DP rank owns different state; ZeRO 0: every DP rank holds all of it."""
+        """ZeRO 1/2/3: each DP rank owns different state; ZeRO 0: every DP rank holds all of it."""
         return self.zero.shards_optimizer_state
 
     def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
@@ -184,4 +206,5 @@ def build_distributed_optimizer(cfg: Config, chunks: list[nn.Module], pstate: Pa
         scaler = DynamicLossScaler(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window)
     return DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=plan.zero, bucket_size=par.bucket_size,
                                 main_grads_dtype=plan.main_grads_dtype,
-                                overlap_param_gather=par.overlap_param_gather, scaler=scaler)
+                                overlap_param_gather=par.overlap_param_gather, scaler=scaler,
+                                gathering=plan.gathering)

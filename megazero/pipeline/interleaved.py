@@ -4,7 +4,7 @@ The m micro-batches run in groups of p: a rank forwards a group through chunk 0,
 then the same group through chunk 1, ..., before the next group - so virtual
 step k (0 <= k < m*v) is micro-batch ``(k // (p*v)) * p + k % p`` on chunk
 ``(k % (p*v)) // p`` (backwards visit the chunks in reverse). This needs m
-divisible by p (validated in ``Config.check_pipeline``). Like 1F1B it has a
+divisible by p (validated in ``RunPlan.resolve``). Like 1F1B it has a
 warm-up, a steady phase in which each forward is paired with a backward (the
 forward's transfers fly while the backward computes), and a cool-down. The
 ends of the pipeline depend on the chunk here, so the phases call the stage

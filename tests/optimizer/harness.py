@@ -30,11 +30,13 @@ ADAM_EPS = 1e-4
 
 def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: int = 4, gbs: int = 8,
              clip: float = 0.0, bucket: int = 3000, overlap: bool = False, layers: int = 2, hidden: int = 32,
-             iters: int = ITERS, vp: int | None = None, **training: Any) -> Config:
+             iters: int = ITERS, vp: int | None = None, prefetch: int = 1, reshard: bool = True,
+             unit_layers: int = 1, **training: Any) -> Config:
     return Config(
         parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero=zero,
                                 sequence_parallel=sp, bucket_size=bucket, overlap_param_gather=overlap,
-                                virtual_pipeline_size=vp),
+                                virtual_pipeline_size=vp, zero3_prefetch=prefetch,
+                                reshard_after_forward=reshard, zero3_unit_layers=unit_layers),
         model=ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden, num_attention_heads=4,
                           seq_length=16, vocab_size=VOCAB),
         optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1,
@@ -59,10 +61,10 @@ def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
     trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(RunPlan.resolve(cfg, pstate.layout)),
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
-    optimizer.wait_param_gather()
     params: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
-        params.update({k: v.float() for k, v in full_params(chunk, pstate.tp_group).items()})
+    with optimizer.full_parameters():  # ZeRO 3 gathers every unit
+        for chunk in chunks:
+            params.update({k: v.float() for k, v in full_params(chunk, pstate.tp_group).items()})
     return {"records": records, "params": params, "pp_rank": pstate.pp_rank}
 
 

@@ -1,0 +1,177 @@
+"""ZeRO 3: parameters live as 1/dp shards and are gathered one unit at a time.
+
+A unit is a run of ``layers_per_unit`` transformer blocks of a model chunk; the
+chunk's parameters outside blocks (embeddings, final norm, head) form its
+*root* unit. A unit's parameters fill whole buckets (``plan_buckets`` closes a
+bucket at a unit boundary), and each bucket's full-size parameter tensor has a
+storage of its own that holds bytes only while its unit is gathered: freeing
+resizes the storage to 0 bytes, gathering resizes it back and all-gathers the
+shards into it. The parameters stay views of that storage throughout, so what
+autograd saved in forward (a weight, its transpose) reads the regathered values
+in backward without holding the memory in between - FSDP's approach.
+
+Per unit and micro-batch (hooks, so the model code does not change):
+
+    forward pre-hook    gather (wait for the prefetched all-gather, or issue it), then
+                        issue the all-gathers of the next ``prefetch`` units
+    forward post-hook   free - unless the unit is kept until its backward
+                        (``reshard_after_forward=False``, and always the root unit,
+                        whose head runs last in forward and first in backward); a
+                        hook on the unit's output marks where its backward starts
+    pre-backward        gather again; issue the gathers of the previous ``prefetch`` units
+    post-backward       (the unit's last parameter gradient has accumulated) free it;
+                        the gradient engine reduce-scatters its buckets as they complete
+
+Without grad (evaluation) every unit is freed after its forward. Recompute needs
+nothing more: the pre-backward gather runs before autograd re-runs a block. A kept
+unit counts the micro-batches whose forward ran and whose backward has not, and is
+freed when none is left, so under pipelining it stays gathered for as long as any
+micro-batch of the step is in flight on this stage.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from ..run_plan import UnitGathering
+from .buffers import Bucket, ParamGradBuffer
+
+
+def plan_units(module: nn.Module, layers_per_unit: int) -> list[tuple[nn.Module, nn.Module, list[nn.Parameter]]]:
+    """``module``'s units in forward order as (entry module, exit module, parameters).
+
+    The root unit (everything outside the blocks; entered and left through ``module`` itself)
+    comes first; then every ``layers_per_unit`` consecutive blocks (children of the chunk's
+    ModuleList/ModuleDict) form one unit, entered through its first block and left through its last.
+    """
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    blocks = [block for container in module.modules() if isinstance(container, (nn.ModuleList, nn.ModuleDict))
+              for block in container.children()]
+    in_blocks = {p for block in blocks for p in block.parameters()}
+    units = [(module, module, [p for p in trainable if p not in in_blocks])]
+    for i in range(0, len(blocks), layers_per_unit):
+        group = blocks[i: i + layers_per_unit]
+        units.append((group[0], group[-1], [p for b in group for p in b.parameters() if p.requires_grad]))
+    return [u for u in units if u[2]]
+
+
+@dataclass
+class Unit:
+    index: int  # forward position within its chunk
+    params: list[nn.Parameter]
+    buckets: list[tuple[ParamGradBuffer, Bucket]]
+    keep_until_backward: bool
+    gathered: bool = False
+    works: list = field(default_factory=list)  # all-gathers issued, not yet waited for
+    pending_backward: int = 0  # micro-batches past this unit's forward, not yet past its backward
+    grads_arrived: int = 0  # parameter gradients accumulated in the current backward
+
+
+class ParameterUnits:
+    """The gathered/freed state of every unit of this rank's chunks, driven by module and grad hooks."""
+
+    def __init__(self, modules: list[nn.Module], buffers: list[ParamGradBuffer],
+                 units: list[list[tuple[nn.Module, nn.Module, list[nn.Parameter]]]], pstate: ParallelState,
+                 gathering: UnitGathering) -> None:
+        self.pstate, self.gathering = pstate, gathering
+        self.chunks: list[list[Unit]] = []
+        for buf, chunk_units in zip(buffers, units):
+            bucket_of = {p: b for b in buf.buckets for p in b.params}
+            chunk: list[Unit] = []
+            for i, (entry, exit_, params) in enumerate(chunk_units):
+                buckets = {id(bucket_of[p]): bucket_of[p] for p in params}
+                unit = Unit(index=i, params=params, buckets=[(buf, b) for b in buckets.values()],
+                            keep_until_backward=i == 0 or not gathering.reshard_after_forward)
+                chunk.append(unit)
+                entry.register_forward_pre_hook(self._pre_forward_hook(chunk, unit))
+                exit_.register_forward_hook(self._post_forward_hook(chunk, unit))
+                for p in params:
+                    p.register_post_accumulate_grad_hook(self._grad_hook(unit))
+            self.chunks.append(chunk)
+
+    @property
+    def units(self) -> list[Unit]:
+        return [u for chunk in self.chunks for u in chunk]
+
+    # -- gather / free ---------------------------------------------------------------------------
+    def gather(self, unit: Unit, wait: bool = True) -> None:
+        """Issue ``unit``'s all-gathers unless it is gathered (or gathering); with ``wait``, complete them."""
+        if not unit.gathered:
+            unit.gathered = True
+            for buf, b in unit.buckets:
+                unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
+                                                           self.pstate.dp_group, async_op=True))
+        if wait:
+            for work in unit.works:
+                work.wait()
+            unit.works.clear()
+
+    def free(self, unit: Unit) -> None:
+        if unit.gathered:
+            self.gather(unit, wait=True)  # never free storage an all-gather is still writing
+            for buf, b in unit.buckets:
+                buf.free_params(b)
+            unit.gathered = False
+
+    def gather_all(self) -> None:
+        """Every unit gathered (checkpoint save, reading weights outside a step); ``free_all`` undoes it."""
+        for unit in self.units:
+            self.gather(unit, wait=False)
+        for unit in self.units:
+            self.gather(unit, wait=True)
+
+    def free_all(self) -> None:
+        """End of a step: nothing stays gathered (a unit whose gradients never arrived included)."""
+        for unit in self.units:
+            unit.pending_backward = unit.grads_arrived = 0
+            self.free(unit)
+
+    def _prefetch(self, chunk: list[Unit], indices: range) -> None:
+        for i in indices:
+            if 0 <= i < len(chunk):
+                self.gather(chunk[i], wait=False)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _pre_forward_hook(self, chunk: list[Unit], unit: Unit):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.gather(unit)
+            self._prefetch(chunk, range(unit.index + 1, unit.index + 1 + self.gathering.prefetch))
+
+        return hook
+
+    def _post_forward_hook(self, chunk: list[Unit], unit: Unit):
+        def hook(module: nn.Module, args: tuple, out):
+            if not (torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad):
+                if unit.pending_backward == 0:  # no backward follows (evaluation)
+                    self.free(unit)
+                return None
+            unit.pending_backward += 1
+            out.register_hook(self._pre_backward_hook(chunk, unit))
+            if not unit.keep_until_backward:
+                self.free(unit)
+            return None
+
+        return hook
+
+    def _pre_backward_hook(self, chunk: list[Unit], unit: Unit):
+        def hook(grad: torch.Tensor) -> None:
+            self.gather(unit)
+            self._prefetch(chunk, range(unit.index - 1, unit.index - 1 - self.gathering.prefetch, -1))
+
+        return hook
+
+    def _grad_hook(self, unit: Unit):
+        def hook(p: nn.Parameter) -> None:
+            unit.grads_arrived += 1
+            if unit.grads_arrived < len(unit.params):
+                return
+            unit.grads_arrived = 0  # the unit's backward for this micro-batch is complete
+            unit.pending_backward = max(0, unit.pending_backward - 1)
+            if not unit.keep_until_backward or unit.pending_backward == 0:
+                self.free(unit)
+
+        return hook

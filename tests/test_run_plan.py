@@ -103,3 +103,24 @@ def test_errors_name_the_flag(settings, world, tp, pp, words):
 def test_world_that_does_not_factor_names_tp_and_pp():
     with pytest.raises(ConfigError, match="world size 6 is not divisible by --tp 4 x --pp 1"):
         Layout.from_world(6, 4, 1)
+
+
+def test_zero3_gathering_from_flags():
+    """--zero 3 resolves how units gather; the flags parse from the command line; other stages have none."""
+    from megazero.arguments import parse_config
+    cfg, _ = parse_config(["--zero", "3", "--zero3-prefetch", "2", "--zero3-unit-layers", "4",
+                        "--no-reshard-after-forward", "--num-layers", "8"])
+    plan = RunPlan.resolve(cfg, Layout.from_world(2, 1, 1))
+    assert plan.zero is ZeroStage.PARAMETERS and plan.zero.shards_parameters and plan.zero.shards_gradients
+    g = plan.gathering
+    assert (g.layers_per_unit, g.prefetch, g.reshard_after_forward) == (4, 2, False)
+    assert plan.layout_record()["zero"] == 3
+    assert RunPlan.resolve(_cfg(zero=2), Layout.from_world(2, 1, 1)).gathering is None
+
+
+@pytest.mark.parametrize("settings,words", [({"zero": 4}, "--zero must be 0, 1, 2 or 3"),
+                                            ({"zero3_prefetch": -1}, "--zero3-prefetch must be >= 0"),
+                                            ({"zero3_unit_layers": 0}, "--zero3-unit-layers must be >= 1")])
+def test_zero3_bad_flags_name_the_flag(settings, words):
+    with pytest.raises(ConfigError, match=words):
+        _cfg(**settings)

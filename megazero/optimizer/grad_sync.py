@@ -81,7 +81,7 @@ class GradSyncEngine:
             params = [p for p in module.parameters() if p.requires_grad]
             dtypes = {p.dtype for p in params}
             assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
-            unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u[2]}
+            unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u.params}
             self.buffers.append(ParamGradBuffer(
                 params, bucket_size=bucket_size, num_shards=pstate.dp if self.sharded else 1,
                 shard_rank=pstate.dp_rank if self.sharded else 0, param_dtype=dtypes.pop(),

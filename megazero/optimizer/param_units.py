@@ -41,22 +41,34 @@ from ..run_plan import UnitGathering
 from .buffers import Bucket, ParamGradBuffer
 
 
-def plan_units(module: nn.Module, layers_per_unit: int) -> list[tuple[nn.Module, nn.Module, list[nn.Parameter]]]:
-    """``module``'s units in forward order as (entry module, exit module, parameters).
+@dataclass
+class UnitSpec:
+    """Which parameters form a unit and which modules' forward enters and leaves it."""
+
+    entry: nn.Module
+    exit: nn.Module
+    params: list[nn.Parameter]
+    root: bool  # the chunk's parameters outside blocks: kept gathered from forward to backward
+
+
+def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
+    """``module``'s units in forward order.
 
     The root unit (everything outside the blocks; entered and left through ``module`` itself)
-    comes first; then every ``layers_per_unit`` consecutive blocks (children of the chunk's
-    ModuleList/ModuleDict) form one unit, entered through its first block and left through its last.
+    comes first, when the chunk has such parameters; then every ``layers_per_unit`` consecutive
+    blocks (children of the chunk's ModuleList/ModuleDict) form one unit, entered through its
+    first block and left through its last.
     """
     trainable = [p for p in module.parameters() if p.requires_grad]
     blocks = [block for container in module.modules() if isinstance(container, (nn.ModuleList, nn.ModuleDict))
               for block in container.children()]
     in_blocks = {p for block in blocks for p in block.parameters()}
-    units = [(module, module, [p for p in trainable if p not in in_blocks])]
+    units = [UnitSpec(module, module, [p for p in trainable if p not in in_blocks], root=True)]
     for i in range(0, len(blocks), layers_per_unit):
         group = blocks[i: i + layers_per_unit]
-        units.append((group[0], group[-1], [p for b in group for p in b.parameters() if p.requires_grad]))
-    return [u for u in units if u[2]]
+        units.append(UnitSpec(group[0], group[-1], [p for b in group for p in b.parameters() if p.requires_grad],
+                              root=False))
+    return [u for u in units if u.params]
 
 
 @dataclass
@@ -75,21 +87,21 @@ class ParameterUnits:
     """The gathered/freed state of every unit of this rank's chunks, driven by module and grad hooks."""
 
     def __init__(self, modules: list[nn.Module], buffers: list[ParamGradBuffer],
-                 units: list[list[tuple[nn.Module, nn.Module, list[nn.Parameter]]]], pstate: ParallelState,
+                 units: list[list[UnitSpec]], pstate: ParallelState,
                  gathering: UnitGathering) -> None:
         self.pstate, self.gathering = pstate, gathering
         self.chunks: list[list[Unit]] = []
         for buf, chunk_units in zip(buffers, units):
             bucket_of = {p: b for b in buf.buckets for p in b.params}
             chunk: list[Unit] = []
-            for i, (entry, exit_, params) in enumerate(chunk_units):
-                buckets = {id(bucket_of[p]): bucket_of[p] for p in params}
-                unit = Unit(index=i, params=params, buckets=[(buf, b) for b in buckets.values()],
-                            keep_until_backward=i == 0 or not gathering.reshard_after_forward)
+            for i, spec in enumerate(chunk_units):
+                buckets = {id(bucket_of[p]): bucket_of[p] for p in spec.params}
+                unit = Unit(index=i, params=spec.params, buckets=[(buf, b) for b in buckets.values()],
+                            keep_until_backward=spec.root or not gathering.reshard_after_forward)
                 chunk.append(unit)
-                entry.register_forward_pre_hook(self._pre_forward_hook(chunk, unit))
-                exit_.register_forward_hook(self._post_forward_hook(chunk, unit))
-                for p in params:
+                spec.entry.register_forward_pre_hook(self._pre_forward_hook(chunk, unit))
+                spec.exit.register_forward_hook(self._post_forward_hook(chunk, unit))
+                for p in spec.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook(unit))
             self.chunks.append(chunk)
 

@@ -116,11 +116,12 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
     staging = storage.staging_dir(root, iteration, stamp)
     os.makedirs(staging, exist_ok=True)
     named, bad = named_parameters(chunks), []
-    with optimizer.full_parameters():  # ZeRO 3: gathered over DP for the duration (every DP rank takes part)
-        if pstate.dp_rank == 0:
-            bad = non_finite({n: p.detach() for n, p in named.items()})
-            save_file({n: p.detach().contiguous().cpu() for n, p in named.items()},
-                      os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
+    copies = optimizer.host_copies(keep=pstate.dp_rank == 0)  # every DP rank takes part (ZeRO 3 gathers)
+    if pstate.dp_rank == 0:
+        weights = {n: copies[p] for n, p in named.items()}
+        bad = non_finite(weights)
+        save_file(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
+    del copies
     optim_info = None
     if pstate.dp_rank == 0 or optimizer.shards_state_over_dp:
         optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)

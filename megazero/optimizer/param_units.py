@@ -31,6 +31,7 @@ micro-batch of the step is in flight on this stage.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -135,6 +136,17 @@ class ParameterUnits:
             self.gather(unit, wait=False)
         for unit in self.units:
             self.gather(unit, wait=True)
+
+    def one_unit_at_a_time(self) -> Iterator[list[nn.Parameter]]:
+        """Each unit's parameters, gathered while the caller holds them (the next unit's gather overlapping);
+        what checkpoint save copies to the host, so a save never holds more than two units."""
+        units = self.units
+        for i, unit in enumerate(units):
+            self.gather(unit)
+            if i + 1 < len(units):
+                self.gather(units[i + 1], wait=False)
+            yield unit.params
+            self.free(unit)
 
     def free_all(self) -> None:
         """End of a step: nothing stays gathered (a unit whose gradients never arrived included)."""

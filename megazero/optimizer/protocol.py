@@ -6,7 +6,6 @@ loaded master weights back into the parameters) can be saved and resharded.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -32,8 +31,8 @@ class ShardedOptimizerState(Protocol):
     def load_state_scalars(self, scalars: dict[str, Any]) -> None:
         ...
 
-    def full_parameters(self) -> AbstractContextManager[None]:
-        """Inside, every parameter of this rank's chunks is readable (ZeRO 3 gathers them; collective)."""
+    def host_copies(self, keep: bool) -> dict[nn.Parameter, torch.Tensor]:
+        """CPU copies of this rank's parameters when ``keep``; a collective over DP (ZeRO 3 gathers)."""
         ...
 
     def sync_params_from_master(self) -> None:

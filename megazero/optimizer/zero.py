@@ -86,6 +86,19 @@ class DistributedOptimizer:
             units.free_all()
 
     @torch.no_grad()
+    def host_copies(self, keep: bool) -> dict[nn.Parameter, torch.Tensor]:
+        """CPU copies of every parameter of this rank's chunks when ``keep`` (else {}; a collective over DP
+        under ZeRO 3, so every DP rank calls it). ZeRO 3 gathers one unit at a time for the copy."""
+        self.sync.wait_param_gather()
+        units = self.sync.units
+        batches = [[p for buf in self.buffers for p in buf.params]] if units is None else units.one_unit_at_a_time()
+        copies: dict[nn.Parameter, torch.Tensor] = {}
+        for params in batches:
+            if keep:
+                copies.update({p: p.detach().to("cpu", copy=True) for p in params})
+        return copies
+
+    @torch.no_grad()
     def step(self, lr: float) -> StepResult:
         """Reduce, unscale, norm, clip and apply AdamW; or skip, agreed on every rank.
 

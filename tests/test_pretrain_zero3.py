@@ -47,7 +47,7 @@ def test_zero3_tp2_pp2_dp2_trains_and_resumes_bitwise(tmp_path):
     memory = [r for r in straight if r.get("event") == "memory"]
     assert len(memory) == 8 and all(m["layout"]["zero"] == 3 for m in memory)
     assert all(m["params_bytes"] * 2 == m["local_parameters"] * 4 for m in memory)  # fp32 params, 1/dp each
-    assert all(r["comm_bytes"]["all_gather/dp"] > 0 for r in straight if "event" not in r)
+    assert all(r["comm_bytes"]["all_gather.forward/dp"] > 0 for r in straight if "event" not in r)
 
     saved = ckpt / f"iter_{RESUMED_FROM:07d}"
     meta = json.loads((saved / "metadata.json").read_text())

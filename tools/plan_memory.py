@@ -10,7 +10,7 @@ for the world size the launcher would give. The search keeps the model, seq
 length, precision and global batch, and varies tp (inside a node), pp, dp,
 zero, micro-batch and recompute. Arithmetic: ``megazero.memory``.
 
-The 7B tables in README.md and docs/planner_7b.md are this tool's output,
+The 7B and 70B tables in README.md and docs/planner_7b.md are this tool's output,
 pasted between ``<!-- plan:NAME begin -->`` / ``<!-- plan:NAME end -->``
 markers by ``--write-docs``; tests/memory/test_docs_tables.py fails when they drift.
 """
@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.arguments import parse_config  # noqa: E402
-from megazero.memory import (Hardware, format_candidates, format_plan, plan_for_run,  # noqa: E402
+from megazero.memory import (Hardware, format_candidates, format_plan, format_rows, plan_for_run,  # noqa: E402
                              search_layouts)
 
 EXTRA = [
@@ -41,6 +41,9 @@ EXTRA = [
     ("--intra-node-gbps", {"type": float, "default": 450.0, "help": "Search mode: GB/s per GPU in a node."}),
     ("--inter-node-gbps", {"type": float, "default": 50.0, "help": "Search mode: GB/s per GPU across nodes."}),
     ("--headroom", {"type": float, "default": 0.1, "help": "Search mode: fraction of GPU memory kept free."}),
+    ("--zero-stages", {"type": int, "nargs": "+", "choices": (0, 1, 2, 3), "default": None,
+                       "help": "Plan the layout once per ZeRO stage given (overrides --zero): one row each, "
+                               "the peak stage's figures."}),
     ("--write-docs", {"action": "store_true", "help": "Regenerate the planner tables in README.md and "
                                                       "docs/planner_7b.md (other flags are ignored)."}),
 ]
@@ -49,6 +52,9 @@ EXTRA = [
 def report(argv: list[str]) -> tuple[int, str]:
     """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
     cfg, ns = parse_config(argv, prog="plan_memory.py", extra=EXTRA)
+    if ns.gpus is None and ns.zero_stages:
+        plans = [plan_for_run(cfg.updated(zero=z), cfg.parallel.tp * cfg.parallel.pp * ns.dp) for z in ns.zero_stages]
+        return 0, json.dumps([p.to_dict() for p in plans]) if ns.json else format_rows(plans)
     if ns.gpus is None:
         plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
         return 0, json.dumps(plan.to_dict()) if ns.json else format_plan(plan)
@@ -69,15 +75,24 @@ F_7B = ("--arch llama --num-layers 32 --hidden-size 4096 --num-attention-heads 3
         "   --seq-length 4096 --vocab-size 32000 --bf16 --global-batch-size 512 --micro-batch-size 1")
 SEARCH_7B = "--gpus 64 --gpu-memory 80 --gpus-per-node 8"
 DP_ONLY_7B = ["--tp 1 --pp 1 --dp 64 --zero 1 --recompute full",
-              "--tp 1 --pp 1 --dp 64 --zero 2 --recompute full --micro-batch-size 8"]
+              "--tp 1 --pp 1 --dp 64 --zero 2 --recompute full --micro-batch-size 8",
+              "--tp 1 --pp 1 --dp 64 --zero 3 --recompute full --micro-batch-size 8"]
+ZERO_ROWS_7B = ["--tp 1 --pp 1 --dp 64 --recompute full --micro-batch-size 8 --zero-stages 0 1 2 3"]
+F_70B = ("--arch llama --num-layers 80 --hidden-size 8192 --num-attention-heads 64 --num-query-groups 8 \\\n"
+         "   --ffn-hidden-size 28672 --seq-length 4096 --vocab-size 128256 --bf16 --global-batch-size 1024 \\\n"
+         "   --micro-batch-size 1 --recompute full")
+ZERO_ROWS_70B = ["--tp 8 --pp 8 --dp 8 --sequence-parallel --zero-stages 1 2 3",
+                 "--tp 8 --pp 4 --dp 32 --sequence-parallel --zero-stages 1 2 3",
+                 "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --zero-stages 1 2 3",
+                 "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --no-reshard-after-forward --zero-stages 3"]
 
 
-def _run_block(flags: list[str], with_f: bool) -> str:
-    """A fenced block: each command (on the $F model flags) followed by its output."""
-    parts = [f'F="{F_7B}"'] if with_f else []
+def _run_block(flags: list[str], with_f: bool, model: str = F_7B, var: str = "F") -> str:
+    """A fenced block: each command (on the ${var} model flags ``model``) followed by its output."""
+    parts = [f'{var}="{model}"'] if with_f else []
     for i, f in enumerate(flags):
-        _, text = report(shlex.split(F_7B.replace("\\\n", " ")) + shlex.split(f))
-        parts += ([""] if i or with_f else []) + [f"python tools/plan_memory.py $F {f}", text]
+        _, text = report(shlex.split(model.replace("\\\n", " ")) + shlex.split(f))
+        parts += ([""] if i or with_f else []) + [f"python tools/plan_memory.py ${var} {f}", text]
     return "```\n" + "\n".join(parts) + "\n```"
 
 
@@ -94,10 +109,12 @@ def best_layout_flags() -> str:
 def doc_blocks() -> dict[str, dict[str, str]]:
     """File (relative to the repository) -> block name -> generated block text."""
     return {
-        "README.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"], with_f=True)},
+        "README.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"] + ZERO_ROWS_7B, with_f=True),
+                      "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70")},
         "docs/planner_7b.md": {"7b-search": _run_block([f"{SEARCH_7B} --top 12"], with_f=True),
                                "7b-best": _run_block([best_layout_flags()], with_f=False),
-                               "7b-dp": _run_block(DP_ONLY_7B, with_f=False)},
+                               "7b-dp": _run_block(DP_ONLY_7B + ZERO_ROWS_7B, with_f=False),
+                               "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70")},
     }
 
 

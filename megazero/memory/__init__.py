@@ -2,6 +2,7 @@
 
 - ``params``: closed-form parameter counts and model-state bytes (ZeRO stages, precision);
 - ``grads``: gradient bytes at the optimizer's high-water mark (ZeRO 2's full-size buckets);
+- ``zero3``: ZeRO 3's model state at its high-water mark (gathered units, bucket gradients);
 - ``activations``: bytes saved for backward, per term, calibrated to our blocks;
 - ``plan``: both combined per pipeline stage (``plan_memory``, ``format_plan``);
 - ``search``: feasible layouts on a cluster ranked by a step-time model;
@@ -11,11 +12,11 @@ from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro
 from .grads import GradBytes, bucket_numels, grad_bytes
 from .measure import SavedTensorMeter, tensor_bytes
 from .params import StateBytes, chunk_params, model_state_bytes, num_parameters
-from .plan import GIB, MemoryPlan, PlanSpec, StagePlan, format_plan, plan_for_run, plan_memory
+from .plan import GIB, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_for_run, plan_memory
 from .search import Candidate, Hardware, format_candidates, search_layouts, step_time
 
 __all__ = ["ActivationSpec", "Candidate", "GIB", "GradBytes", "Hardware", "MemoryPlan", "PlanSpec",
            "SavedTensorMeter", "StagePlan", "StateBytes", "bucket_numels", "chunk_activation_bytes", "chunk_params",
-           "format_candidates", "format_plan", "grad_bytes", "in_flight_micro_batches", "layer_terms",
+           "format_candidates", "format_plan", "format_rows", "grad_bytes", "in_flight_micro_batches", "layer_terms",
            "model_state_bytes", "num_parameters", "plan_for_run", "plan_memory", "search_layouts", "step_time",
            "tensor_bytes"]

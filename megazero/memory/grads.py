@@ -46,21 +46,28 @@ def bucket_numels(numels: list[int], bucket_size: int, num_shards: int, tied_fir
     the first registered parameter) sits alone, and each bucket is padded to a multiple of
     ``num_shards x PAD_ALIGN``.
     """
+    return [n for _, n in unit_buckets(numels, [0] * len(numels), bucket_size, num_shards, tied_first)]
+
+
+def unit_buckets(numels: list[int], units: list[int], bucket_size: int, num_shards: int,
+                 tied_first: bool) -> list[tuple[int, int]]:
+    """(unit, padded size) of every bucket in backward order: ``bucket_numels`` with ZeRO 3's extra
+    rule that a bucket never holds parameters of two units (``units``: each parameter's unit)."""
     align = num_shards * PAD_ALIGN
-    out: list[int] = []
-    pending = 0
-    for i, n in enumerate(reversed(numels)):
+    out: list[tuple[int, int]] = []
+    pending, unit = 0, None
+    for i, (n, u) in enumerate(zip(reversed(numels), reversed(units))):
         tied = tied_first and i == len(numels) - 1
-        if tied and pending:
-            out.append(pending)
+        if pending and (tied or u != unit):
+            out.append((unit, pending))
             pending = 0
-        pending += n
+        pending, unit = pending + n, u
         if tied or pending >= bucket_size:
-            out.append(pending)
+            out.append((unit, pending))
             pending = 0
     if pending:
-        out.append(pending)
-    return [-(-b // align) * align for b in out]
+        out.append((unit, pending))
+    return [(u, -(-b // align) * align) for u, b in out]
 
 
 def inflight_numel(buckets: list[int]) -> int:

@@ -20,12 +20,14 @@ the parameters in place, so K = 8):
     zero 0     w        g            K
     zero 1     w        g            K / dp
     zero 2     w        g / dp       K / dp
-    zero 3     w / dp   g / dp       K / dp    (the paper's P_os+g+p; arithmetic only)
+    zero 3     w / dp   g / dp       K / dp    (the paper's P_os+g+p)
 
 with w = 2 (bf16/fp16) or 4 (fp32), g = 4 (fp32 main grads) or 2 (bf16).
 This is the persistent state (the paper's arithmetic). During a step our ZeRO 2
 also holds full-size bucket gradients (a full buffer while m > 1 micro-batches
-accumulate); ``grads.py`` adds those, and the planner charges the peak.
+accumulate); ``grads.py`` adds those, and the planner charges the peak. ZeRO 3
+also holds the units gathered at its peak and its bucket gradients in flight
+(``zero3.py``).
 """
 from __future__ import annotations
 
@@ -117,6 +119,19 @@ def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: 
         if not cfg.tied_embeddings:
             numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
     return numels
+
+
+def chunk_param_units(cfg: ModelConfig, num_blocks: int, pre_process: bool, post_process: bool,
+                      layers_per_unit: int) -> list[int]:
+    """The ZeRO-3 unit of each parameter of ``chunk_param_numels``, as ``optimizer.param_units.plan_units``
+    groups them: 0 is the chunk's root unit (embeddings, final norm, head), block i is in unit
+    1 + i // layers_per_unit."""
+    embedding = 1 if (pre_process or (post_process and cfg.tied_embeddings)) else 0
+    embedding += 1 if embedding and pre_process and cfg.arch == "gpt2" else 0
+    tail = (2 if cfg.arch == "gpt2" else 1) + (0 if cfg.tied_embeddings else 1) if post_process else 0
+    per_block = len(block_param_numels(cfg, 1))
+    blocks = [1 + i // layers_per_unit for i in range(num_blocks) for _ in range(per_block)]
+    return [0] * embedding + blocks + [0] * tail
 
 
 def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool) -> int:

@@ -3,7 +3,8 @@
 ``plan_memory(spec)`` adds up, for every pipeline stage (the ranks of one
 stage are alike): model state (``params``; gradients at the optimizer's
 high-water mark in a step, ``grads``: ZeRO 2's full-size bucket gradients
-included), activations held by the schedule (``activations``) and the
+included; ZeRO 3's gathered units and bucket gradients at its peak,
+``zero3.py``), activations held by the schedule (``activations``) and the
 largest short-lived working set (``transient``: one block rebuilt under full
 recompute, or the logits and their fp32 copy on the last stage).
 The rank that needs the most is the one to size the GPU for.
@@ -14,11 +15,13 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import Config, ConfigError, ModelConfig
 from ..parallel.layout import Layout
-from ..run_plan import DTYPE_NAMES, RunPlan
+from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering
 from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
                           recompute_working_bytes)
-from .grads import bucket_numels, grad_bytes
-from .params import bytes_per_param, chunk_param_numels, chunk_params, model_state_bytes, num_parameters
+from .grads import grad_bytes, unit_buckets
+from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
+                     num_parameters)
+from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
 
@@ -43,13 +46,16 @@ class PlanSpec:
     main_grads_dtype: str = "fp32"
     bucket_size: int = 10_000_000
     device: str = "cuda"
+    layers_per_unit: int = 1  # ZeRO 3: blocks per gathered unit (the root unit is one more per chunk)
+    prefetch: int = 1  # ZeRO 3: units gathered ahead of the one computing
+    reshard_after_forward: bool = True  # ZeRO 3: False keeps every unit gathered from forward to backward
 
     @classmethod
     def from_plan(cls, cfg: Config, plan: RunPlan, device: str = "cuda") -> "PlanSpec":
         """The spec of a training run: its resolved plan, plus the model and the run-time choices of ``cfg``."""
         if plan.vocab_size is None:
             raise ConfigError("the memory plan needs the vocabulary: pass --vocab-size (or --tokenizer-model).")
-        t = cfg.training
+        t, gathering = cfg.training, plan.gathering or UnitGathering()
         return cls(model=cfg.model, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=int(plan.zero),
                    micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.micro_batches,
                    sequence_parallel=plan.sequence_parallel and plan.tp > 1, recompute=t.recompute,
@@ -57,11 +63,17 @@ class PlanSpec:
                    schedule=plan.schedule if plan.pp > 1 else "1f1b",  # pp = 1 holds one micro-batch either way
                    vp=plan.virtual_stages, precision=DTYPE_NAMES[plan.compute_dtype],
                    main_grads_dtype=DTYPE_NAMES[plan.main_grads_dtype], bucket_size=cfg.parallel.bucket_size,
-                   device=device)
+                   device=device, layers_per_unit=gathering.layers_per_unit, prefetch=gathering.prefetch,
+                   reshard_after_forward=gathering.reshard_after_forward)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def gathering(self) -> UnitGathering:
+        return UnitGathering(layers_per_unit=self.layers_per_unit, prefetch=self.prefetch,
+                             reshard_after_forward=self.reshard_after_forward)
 
     def activation_spec(self) -> ActivationSpec:
         return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.micro_batch_size, tp=self.tp,
@@ -79,6 +91,13 @@ class StagePlan:
     optimizer_bytes: float
     activations_bytes: float
     transient_bytes: float
+    persistent_bytes: float = 0.0  # model state between steps: buffers, shards, optimizer state
+    params_peak_bytes: float = 0.0  # ZeRO 3: most parameter bytes at any moment (params_bytes: at the peak)
+
+    @property
+    def in_step_bytes(self) -> float:
+        """Model state a step adds on top of the persistent state (bucket grads, gathered units, copies)."""
+        return self.model_state_bytes - self.persistent_bytes
 
     @property
     def model_state_bytes(self) -> float:
@@ -114,10 +133,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     first, last = stage == 0, stage == spec.pp - 1
     chunks = [(c == 0 and first, c == spec.vp - 1 and last) for c in range(spec.vp)]
     params = sum(chunk_params(cfg, spec.tp, blocks, pre, post) for pre, post in chunks)
-    state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
-    _, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
-    grads = grad_bytes(params, _chunk_buckets(spec, blocks, chunks), spec.dp, spec.zero, spec.num_micro_batches, g)
     in_flight = in_flight_micro_batches(spec.schedule, spec.pp, stage, spec.num_micro_batches, spec.vp)
+    state = _model_state(spec, params, blocks, chunks, in_flight)
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.recompute_num_layers)
     with_extras = -(-in_flight // spec.vp)  # chunk-forwards of the chunk holding the embedding or the head
     activations = in_flight * per_chunk_forward
@@ -127,17 +144,42 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     logits = a.seq_length * a.micro_batch_size * cfg.padded_vocab_size(spec.tp) // spec.tp * (a.dtype_bytes + 4)
     transient = max(recompute_working_bytes(cfg, a), logits if last else 0)
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight, params_bytes=state.params,
-                     grads_bytes=grads.peak, optimizer_bytes=state.optimizer, activations_bytes=activations,
-                     transient_bytes=transient)
+                     grads_bytes=state.grads, optimizer_bytes=state.optimizer, activations_bytes=activations,
+                     transient_bytes=transient, persistent_bytes=state.persistent,
+                     params_peak_bytes=state.params_peak)
 
 
-def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[int]]:
-    """Padded bucket sizes of each chunk on this stage (only ZeRO 2 with one micro-batch needs them)."""
-    if spec.zero < 2 or spec.num_micro_batches > 1:
+def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool]],
+                 in_flight: int) -> PeakState:
+    """Params, grads and optimizer bytes at the step's high-water mark, and the persistent state."""
+    w, g, k = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    if spec.zero == 3:
+        leftovers = spec.num_micro_batches > 1 or spec.vp > 1  # an earlier backward's buckets still reducing
+        return zero3_bytes(_chunk_buckets(spec, blocks, chunks), spec.dp, w, g, k, spec.gathering,
+                           pinned=in_flight > 1, leftovers=leftovers)
+    state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
+    grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], spec.dp,
+                       spec.zero, spec.num_micro_batches, g)
+    return PeakState(params=state.params, grads=grads.peak, optimizer=state.optimizer,
+                     persistent=state.params + grads.persistent + state.optimizer, params_peak=state.params)
+
+
+def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
+    """(unit, padded size) of each chunk's buckets on this stage in the order their gradients arrive
+    (ZeRO 3's units cut them; ZeRO 2 needs them only with one micro-batch, ZeRO 0/1 never)."""
+    if spec.zero < 2 or (spec.zero == 2 and spec.num_micro_batches > 1):
         return []
-    tied = spec.pp > 1 and spec.model.tied_embeddings
-    return [bucket_numels(chunk_param_numels(spec.model, spec.tp, blocks, pre, post), spec.bucket_size, spec.dp,
-                          tied and (pre or post)) for pre, post in chunks]
+    cfg, tied = spec.model, spec.pp > 1 and spec.model.tied_embeddings
+    out = []
+    for pre, post in chunks:
+        numels = chunk_param_numels(cfg, spec.tp, blocks, pre, post)
+        units = chunk_param_units(cfg, blocks, pre, post, spec.layers_per_unit) if spec.zero == 3 \
+            else [0] * len(numels)
+        buckets = unit_buckets(numels, units, spec.bucket_size, spec.dp, tied and (pre or post))
+        if tied and post and not pre:  # the last stage's embedding copy is the head: its gradient comes first
+            buckets = buckets[-1:] + buckets[:-1]
+        out.append(buckets)
+    return out
 
 
 def plan_memory(spec: PlanSpec) -> MemoryPlan:
@@ -155,7 +197,8 @@ def format_plan(plan: MemoryPlan) -> str:
     s = plan.spec
     lines = [f"model: {s.model.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {s.model.num_layers} layers, "
              f"hidden {s.model.hidden_size}, seq {s.model.seq_length}",
-             f"layout: tp={s.tp} pp={s.pp} dp={s.dp} (world {s.world_size}), zero {s.zero}, {s.precision}, "
+             f"layout: tp={s.tp} pp={s.pp} dp={s.dp} (world {s.world_size}), zero {s.zero}{_zero3_knobs(s)}, "
+             f"{s.precision}, "
              f"micro-batch {s.micro_batch_size} x {s.num_micro_batches}, schedule {s.schedule}"
              f"{f' vp={s.vp}' if s.vp > 1 else ''}, recompute {s.recompute}, sp {s.sequence_parallel}",
              "per rank (GiB):",
@@ -168,6 +211,28 @@ def format_plan(plan: MemoryPlan) -> str:
                      f"{st.transient_bytes / GIB:9.2f} {st.total_bytes / GIB:8.2f}"
                      f"{'  <- peak' if st.stage == peak and s.pp > 1 else ''}")
     return "\n".join(lines)
+
+
+def format_rows(plans: list[MemoryPlan]) -> str:
+    """One row per plan (its peak stage), GiB per rank: ``shards`` is the model state kept between
+    steps (for ZeRO 3 the paper's (w + g + K) / dp), ``+step`` what a step adds at the model state's
+    high-water mark (bucket gradients, gathered units, fp32 copies), ``state`` their sum."""
+    lines = [f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} {'shards':>7} "
+             f"{'+step':>7} {'state':>7} {'activ':>7} {'peak':>7}"]
+    for plan in plans:
+        s, st = plan.spec, plan.peak
+        lines.append(f"{s.tp:>3} {s.pp:>3} {s.dp:>4} {s.zero:>4} {s.micro_batch_size:>4} {s.num_micro_batches:>4} "
+                     f"{s.recompute:>9} {st.persistent_bytes / GIB:7.2f} {st.in_step_bytes / GIB:7.2f} "
+                     f"{st.model_state_bytes / GIB:7.2f} {st.activations_bytes / GIB:7.2f} "
+                     f"{st.total_bytes / GIB:7.2f}")
+    return "\n".join(lines)
+
+
+def _zero3_knobs(s: PlanSpec) -> str:
+    if s.zero != 3:
+        return ""
+    return (f" (units of {s.layers_per_unit} block{'s' if s.layers_per_unit > 1 else ''}, prefetch {s.prefetch}, "
+            f"{'reshard' if s.reshard_after_forward else 'keep'} after forward)")
 
 
 def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:

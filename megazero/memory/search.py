@@ -13,7 +13,10 @@ it ranks layouts rather than predicting wall time to the percent):
             + PP: 2 x s b h e / r bytes sent per stage boundary at inter-node bandwidth
     step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
             + DP: zero 0 all-reduce 2 (dp-1)/dp P g; zero 1/2 reduce-scatter (dp-1)/dp P g
-              + all-gather (dp-1)/dp P w; intra-node bandwidth when tp x dp fits in a node.
+              + all-gather (dp-1)/dp P w; zero 3 per micro-batch: reduce-scatter (dp-1)/dp P g
+              + all-gathers (dp-1)/dp P w, twice with reshard-after-forward (forward, backward)
+              (under pipelining kept units may be gathered once for several micro-batches: an
+              upper bound); intra-node bandwidth when tp x dp fits in a node.
 
 Defaults describe an H100 SXM node: 989 TFLOP/s bf16 dense at 45% efficiency,
 450 GB/s NVLink per direction, 50 GB/s (400 Gb/s InfiniBand) per GPU between nodes.
@@ -64,6 +67,8 @@ def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     bw = hw.intra_node_bandwidth if spec.tp * spec.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
     frac = (spec.dp - 1) / spec.dp
     dp_bytes = 2 * frac * params * g if spec.zero == 0 else frac * params * (g + w)
+    if spec.zero == 3:
+        dp_bytes = spec.num_micro_batches * frac * params * (g + w * (2 if spec.reshard_after_forward else 1))
     return pipeline + dp_bytes / bw
 
 
@@ -100,7 +105,7 @@ def search_layouts(base: PlanSpec, hw: Hardware, global_batch_size: int,
                 m = global_batch_size // (mbs * dp)
                 if pp > 1 and m < pp:
                     continue  # 1F1B with fewer micro-batches than stages is all bubble
-                for zero in ((0, 1, 2) if dp > 1 else (0,)):
+                for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                     for rc in recomputes:
                         spec = replace(base, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mbs,
                                        num_micro_batches=m, sequence_parallel=tp > 1, recompute=rc,

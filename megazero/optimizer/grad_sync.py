@@ -151,6 +151,8 @@ class GradSyncEngine:
             assert not b.launched or self.zero.shards_parameters, (
                 "a gradient reached a bucket already communicated this step; the schedule must run every "
                 "backward but a chunk's last one inside optimizer.no_sync()")
+            if self.zero.shards_parameters and b.ready == 0 and b.grad is not None:
+                self._retire_bucket(b)  # its previous micro-batch's reduce-scatter still reads b.grad
             buf.bucket_grad(b)  # ZeRO 2/3: allocate the transient bucket gradient on first use
             p.main_grad.add_(p.grad)
             p.grad = None
@@ -185,6 +187,14 @@ class GradSyncEngine:
         self._reap(block=False)
         while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
+
+    def _retire_bucket(self, b: Bucket) -> None:
+        """ZeRO 3: finish ``b``'s in-flight reduce-scatter before the next micro-batch's gradient reaches
+        it, so that gradient starts from zeros instead of adding into the tensor being reduced."""
+        for i, entry in enumerate(self._inflight):
+            if entry[1] is b:
+                self._retire(*self._inflight.pop(i))
+                return
 
     def _reap(self, block: bool) -> None:
         """Retire finished reductions; ZeRO 2 frees their full-size bucket gradients."""

@@ -76,6 +76,7 @@ def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
 class Unit:
     index: int  # forward position within its chunk
     params: list[nn.Parameter]
+    root: bool
     buckets: list[tuple[ParamGradBuffer, Bucket]]
     keep_until_backward: bool
     gathered: bool = False
@@ -98,7 +99,7 @@ class ParameterUnits:
             for i, spec in enumerate(chunk_units):
                 buckets = {id(bucket_of[p]): bucket_of[p] for p in spec.params}
                 unit = Unit(index=i, params=spec.params, buckets=[(buf, b) for b in buckets.values()],
-                            keep_until_backward=spec.root or not gathering.reshard_after_forward)
+                            root=spec.root, keep_until_backward=spec.root or not gathering.reshard_after_forward)
                 chunk.append(unit)
                 spec.entry.register_forward_pre_hook(self._pre_forward_hook(chunk, unit))
                 spec.exit.register_forward_hook(self._post_forward_hook(chunk, unit))
@@ -111,13 +112,16 @@ class ParameterUnits:
         return [u for chunk in self.chunks for u in chunk]
 
     # -- gather / free ---------------------------------------------------------------------------
-    def gather(self, unit: Unit, wait: bool = True) -> None:
-        """Issue ``unit``'s all-gathers unless it is gathered (or gathering); with ``wait``, complete them."""
+    def gather(self, unit: Unit, phase: str, wait: bool = True) -> None:
+        """Issue ``unit``'s all-gathers unless it is gathered (or gathering); with ``wait``, complete them.
+
+        ``phase`` ("forward", "backward", "checkpoint") is what the ledger counts them under.
+        """
         if not unit.gathered:
             unit.gathered = True
             for buf, b in unit.buckets:
                 unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
-                                                           self.pstate.dp_group, async_op=True))
+                                                           self.pstate.dp_group, async_op=True, phase=phase))
         if wait:
             for work in unit.works:
                 work.wait()
@@ -125,7 +129,9 @@ class ParameterUnits:
 
     def free(self, unit: Unit) -> None:
         if unit.gathered:
-            self.gather(unit, wait=True)  # never free storage an all-gather is still writing
+            for work in unit.works:  # never free storage an all-gather is still writing
+                work.wait()
+            unit.works.clear()
             for buf, b in unit.buckets:
                 buf.free_params(b)
             unit.gathered = False
@@ -133,18 +139,18 @@ class ParameterUnits:
     def gather_all(self) -> None:
         """Every unit gathered (checkpoint save, reading weights outside a step); ``free_all`` undoes it."""
         for unit in self.units:
-            self.gather(unit, wait=False)
+            self.gather(unit, "checkpoint", wait=False)
         for unit in self.units:
-            self.gather(unit, wait=True)
+            self.gather(unit, "checkpoint")
 
     def one_unit_at_a_time(self) -> Iterator[list[nn.Parameter]]:
         """Each unit's parameters, gathered while the caller holds them (the next unit's gather overlapping);
         what checkpoint save copies to the host, so a save never holds more than two units."""
         units = self.units
         for i, unit in enumerate(units):
-            self.gather(unit)
+            self.gather(unit, "checkpoint")
             if i + 1 < len(units):
-                self.gather(units[i + 1], wait=False)
+                self.gather(units[i + 1], "checkpoint", wait=False)
             yield unit.params
             self.free(unit)
 
@@ -154,16 +160,16 @@ class ParameterUnits:
             unit.pending_backward = unit.grads_arrived = 0
             self.free(unit)
 
-    def _prefetch(self, chunk: list[Unit], indices: range) -> None:
+    def _prefetch(self, chunk: list[Unit], indices: range, phase: str) -> None:
         for i in indices:
             if 0 <= i < len(chunk):
-                self.gather(chunk[i], wait=False)
+                self.gather(chunk[i], phase, wait=False)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _pre_forward_hook(self, chunk: list[Unit], unit: Unit):
         def hook(module: nn.Module, args: tuple) -> None:
-            self.gather(unit)
-            self._prefetch(chunk, range(unit.index + 1, unit.index + 1 + self.gathering.prefetch))
+            self.gather(unit, "forward")
+            self._prefetch(chunk, range(unit.index + 1, unit.index + 1 + self.gathering.prefetch), "forward")
 
         return hook
 
@@ -183,8 +189,10 @@ class ParameterUnits:
 
     def _pre_backward_hook(self, chunk: list[Unit], unit: Unit):
         def hook(grad: torch.Tensor) -> None:
-            self.gather(unit)
-            self._prefetch(chunk, range(unit.index - 1, unit.index - 1 - self.gathering.prefetch, -1))
+            self.gather(unit, "backward")
+            # backward runs the units in reverse forward order; the root's head runs first, then the last block
+            start = len(chunk) - 1 if unit.root else unit.index - 1
+            self._prefetch(chunk, range(start, start - self.gathering.prefetch, -1), "backward")
 
         return hook
 

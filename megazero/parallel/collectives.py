@@ -18,7 +18,8 @@ standard accounting (N ranks in the group, B bytes of the full tensor):
     broadcast          B on the source rank (counted as (N-1)/N * B per rank, ring-pipelined)
     send               B
 
-keyed by (kind, axis). ZeRO's claim that stages 1 and 2 move as many bytes
+keyed by (kind, axis); ZeRO 3's parameter gathers are kinds of their own
+(``all_gather.forward``, ``all_gather.backward``, ``all_gather.checkpoint``). ZeRO's claim that stages 1 and 2 move as many bytes
 as DDP's all-reduce is checked against these numbers.
 
 With ``timing`` on (``--log-timers``) it also adds up, per axis, the seconds
@@ -176,12 +177,14 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
                   lambda: dist.all_reduce(t, op=op, group=group, async_op=async_op), async_op, t.device)
 
 
-def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
+def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False,
+                           phase: str | None = None):
+    """``phase`` (e.g. ZeRO 3's "forward"/"backward") is counted apart: ``all_gather.<phase>``."""
     if group is None:
         _copy(out, t)
         return _nothing(async_op)
     n = dist.get_world_size(group)
-    return _issue("all_gather", group, (n - 1) / n * _nbytes(out),
+    return _issue("all_gather" if phase is None else f"all_gather.{phase}", group, (n - 1) / n * _nbytes(out),
                   lambda: _ALL_GATHER(out, t, group=group, async_op=async_op), async_op, t.device)
 
 

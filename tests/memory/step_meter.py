@@ -4,22 +4,29 @@ CPU has no allocator peak counter, so ``StepStateMeter`` samples, from
 outside the optimizer, the storages it holds, each counted once however many
 views share it:
 
-    params      the parameter buffers (``buf.param_data``)
-    grads       the main-grad buffers (ZeRO 0/1), the grad shards (ZeRO 2), every
-                full-size bucket gradient alive (``b.grad``: ZeRO 2 allocates them on
-                a bucket's first gradient and frees them when its reduce-scatter is
-                retired), and inside ``step()`` the fp32 copies of the reduced shards
-                it makes when main grads are not fp32 (the ``grad`` arguments of
-                ``adamw_shard_step`` whose storage is not a buffer's: ``step()``
-                keeps them all in one list until its AdamW loop ends)
+    params      the parameter buffers (``buf.param_data``); ZeRO 3: the parameter
+                shards (``buf.param_shard_data``) and every bucket's full-size
+                parameter storage (``b.param``: 0 bytes while its unit is freed)
+    grads       the main-grad buffers (ZeRO 0/1), the grad shards (ZeRO 2/3), every
+                full-size bucket gradient alive (``b.grad``: ZeRO 2/3 allocate them on
+                a bucket's first gradient and free them when its reduce-scatter is
+                retired), ZeRO 3's partial shards that each reduce-scatter writes into
+                (held by the engine's in-flight list until the bucket retires), and inside
+                ``step()`` the fp32 copies of the reduced shards it makes when main grads
+                are not fp32 (the ``grad`` arguments of ``adamw_shard_step`` whose storage
+                is not a buffer's: ``step()`` keeps them all in one list until its AdamW
+                loop ends)
     optimizer   fp32 master weights and Adam moments
 
-Sampling points: after every parameter's gradient hook (ours is registered
-after the optimizer's, so it runs once the gradient has been accumulated and,
-at a bucket's last parameter, the bucket launched and older reductions
-retired), and at every AdamW shard update inside ``step()``. Between two
-samples the optimizer allocates no gradient storage it does not still hold at
-the next one, so the largest sample is the step's high-water mark.
+Sampling points: just after every allocation of model state - a bucket's
+full-size parameters (``materialize_params``: ZeRO 3's gathers, forward and
+backward), a bucket gradient (``bucket_grad``), a reduce-scatter's output (its
+launch), an AdamW shard update's fp32 copy - and after every parameter's
+gradient hook (ours is registered after the optimizer's). Memory only grows at
+an allocation, so the largest sample of the sum is the step's high-water mark;
+``record()`` gives the three parts at that moment (ZeRO 3's parameters and
+gradients peak at different moments, and the planner counts them at the joint
+peak) and, for reference, each part's own peak.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from typing import Any
 import torch
 
 import megazero.optimizer.zero as zero_mod
+import megazero.parallel.collectives as collectives
 from megazero.config import Config
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
@@ -42,26 +50,45 @@ def _storages(tensors) -> dict[int, int]:
 
 
 class StepStateMeter:
-    """Peak params/grads/optimizer bytes of ``opt`` over the steps run while installed."""
+    """Peak params + grads + optimizer bytes of ``opt`` over the steps run while installed."""
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         self.opt = opt
-        self.params = sum(_storages(b.param_data for b in opt.buffers).values())
         self.optimizer = sum(_storages(t for s in opt.states for t in s.tensors()).values())
-        self.peak_grads = 0
+        self.peak = {"total": 0, "params": 0, "grads": 0}
+        self.peak_params = self.peak_grads = 0
         self._copies: dict[int, int] = {}
         self._copies_step = -1
         for buf in opt.buffers:
             for p in buf.params:
                 p.register_post_accumulate_grad_hook(lambda p: self.sample())
+            buf.materialize_params = self._after(buf.materialize_params)
+            buf.bucket_grad = self._after(buf.bucket_grad)
+
+    def _after(self, allocate):
+        def wrapped(*args, **kwargs):
+            out = allocate(*args, **kwargs)
+            self.sample()
+            return out
+
+        return wrapped
+
+    def held_params(self) -> dict[int, int]:
+        bufs = self.opt.buffers
+        return _storages([b.param_data for b in bufs] + [b.param_shard_data for b in bufs]
+                         + [k.param for b in bufs for k in b.buckets])
 
     def held_grads(self) -> dict[int, int]:
         bufs = self.opt.buffers
+        partials = [entry[3] for entry in self.opt.sync._inflight]
         return _storages([b.grad_data for b in bufs] + [b.grad_shard_data for b in bufs]
-                         + [k.grad for b in bufs for k in b.buckets])
+                         + [k.grad for b in bufs for k in b.buckets] + partials)
 
-    def sample(self, copies: int = 0) -> None:
-        self.peak_grads = max(self.peak_grads, sum(self.held_grads().values()) + copies)
+    def sample(self, extra_grads: int = 0) -> None:
+        params, grads = sum(self.held_params().values()), sum(self.held_grads().values()) + extra_grads
+        self.peak_params, self.peak_grads = max(self.peak_params, params), max(self.peak_grads, grads)
+        if params + grads > self.peak["total"]:
+            self.peak = {"total": params + grads, "params": params, "grads": grads}
 
     def _adamw(self, master, grad, *args, **kwargs) -> None:
         if self._copies_step != self.opt.step_count:  # a new step: its copies so far
@@ -72,16 +99,24 @@ class StepStateMeter:
         self.sample(sum(self._copies.values()))
         return self._original(master, grad, *args, **kwargs)
 
+    def _reduce_scatter(self, out, *args, **kwargs):
+        """A reduce-scatter's output exists from its launch (ZeRO 3's partial shard, not yet in flight)."""
+        storage = out.untyped_storage()
+        self.sample(0 if storage.data_ptr() in self.held_grads() else storage.nbytes())
+        return self._original_rs(out, *args, **kwargs)
+
     def __enter__(self) -> "StepStateMeter":
-        self._original = zero_mod.adamw_shard_step
-        zero_mod.adamw_shard_step = self._adamw
+        self._original, self._original_rs = zero_mod.adamw_shard_step, collectives.reduce_scatter_tensor
+        zero_mod.adamw_shard_step, collectives.reduce_scatter_tensor = self._adamw, self._reduce_scatter
         return self
 
     def __exit__(self, *exc) -> None:
-        zero_mod.adamw_shard_step = self._original
+        zero_mod.adamw_shard_step, collectives.reduce_scatter_tensor = self._original, self._original_rs
 
     def record(self) -> dict[str, int]:
-        return {"params_bytes": self.params, "grads_bytes": self.peak_grads, "optimizer_bytes": self.optimizer}
+        return {"params_bytes": self.peak["params"], "grads_bytes": self.peak["grads"],
+                "optimizer_bytes": self.optimizer, "peak_params_bytes": self.peak_params,
+                "peak_grads_bytes": self.peak_grads}
 
 
 def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[str, Any]:

@@ -5,11 +5,13 @@ import pytest
 
 from megazero.config import ModelConfig
 from megazero.memory import bucket_numels, grad_bytes
-from megazero.memory.params import chunk_param_numels
+from megazero.memory.grads import unit_buckets
+from megazero.memory.params import chunk_param_numels, chunk_param_units
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.optimizer.buffers import plan_buckets
 from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
+from megazero.optimizer.param_units import plan_units
 from megazero.tensor_parallel.layers import spec_of
 from tests.memory.test_model_state import MODELS
 
@@ -33,6 +35,26 @@ def test_bucket_numels_match_plan_buckets(name, bucket_size, shards, tied):
     buckets, _ = plan_buckets(list(reversed(params)), bucket_size, shards, 0)
     numels = chunk_param_numels(cfg, 1, cfg.num_layers, True, True)
     assert bucket_numels(numels, bucket_size, shards, tied) == [b.numel for b in buckets]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("layers_per_unit,pre,post", [(1, True, True), (2, True, False), (1, False, True),
+                                                      (3, False, False)])
+def test_unit_buckets_match_zero3_buckets(name, layers_per_unit, pre, post):
+    """ZeRO 3 closes a bucket at every unit boundary: units as ``plan_units`` forms them, buckets as
+    ``plan_buckets`` cuts them (bucket size 3000 and 500 elements, dp 2)."""
+    cfg = ModelConfig(**{**MODELS[name], "num_layers": 3})
+    model = GPTModel(cfg, TPContext(), layer_ids=range(3), pre_process=pre, post_process=post)
+    params = list(model.parameters())
+    blocks = [u for u in plan_units(model, layers_per_unit) if not u.root]  # the planner labels the root 0
+    unit_of = {p: 0 for u in plan_units(model, layers_per_unit) if u.root for p in u.params}
+    unit_of.update({p: i + 1 for i, u in enumerate(blocks) for p in u.params})
+    assert chunk_param_units(cfg, 3, pre, post, layers_per_unit) == [unit_of[p] for p in params]
+    for size in (3000, 500):
+        buckets, _ = plan_buckets(list(reversed(params)), size, 2, 0, unit_of)
+        numels = chunk_param_numels(cfg, 1, 3, pre, post)
+        units = chunk_param_units(cfg, 3, pre, post, layers_per_unit)
+        assert unit_buckets(numels, units, size, 2, False) == [(unit_of[b.params[0]], b.numel) for b in buckets]
 
 
 def test_zero2_gradient_bytes_depend_on_micro_batches():

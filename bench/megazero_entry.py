@@ -35,6 +35,8 @@ def build_config(args: argparse.Namespace, dp: int):
                 "clip_grad": common.CLIP}
     if args.bucket_size:
         settings["bucket_size"] = args.bucket_size
+    if args.no_reshard:
+        settings["reshard_after_forward"] = False
     return Config.from_flat(settings)
 
 
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--vp", type=int, default=None)
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step per DP rank")
     parser.add_argument("--bucket-size", type=int, default=0)
+    parser.add_argument("--no-reshard", action="store_true", help="ZeRO 3: keep units gathered until backward")
     parser.add_argument("--name", default="megazero")
     common.add_workload_args(parser)
     args = parser.parse_args()
@@ -76,6 +79,14 @@ def main() -> None:
     per_dp = common.GLOBAL_BATCH // pstate.dp
     micro = per_dp // args.micro_batches
     losses, timer, prof = [], common.StepTimer(work), None
+    state = own = 0
+
+    def sample(*_) -> None:  # model state at each micro-batch's start: what the previous backward left
+        nonlocal state, own
+        if step == work.total - 1:
+            state, own = max(state, common.model_state_bytes(chunks, opt)), max(own, sum(mz_state_bytes(opt).values()))
+
+    chunks[0].register_forward_pre_hook(sample, prepend=True)
     for step in range(work.total):
         timer.before(step)
         prof = common.maybe_profile(step, work, prof)
@@ -84,8 +95,7 @@ def main() -> None:
         micro_batches = list(local.split(micro))
         opt.zero_grad()
         out = schedule(chunks, micro_batches, pstate, opt.no_sync)
-        if step == work.total - 1:  # model state with gradients and optimizer state both live
-            state, own = common.model_state_bytes(chunks, opt), sum(mz_state_bytes(opt).values())
+        sample()  # after the last backward: gradients and optimizer state both live
         opt.step(common.LR)
         if out:
             losses.append(float(torch.stack(out).mean()))

@@ -154,9 +154,8 @@ def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bo
     """Params, grads and optimizer bytes at the step's high-water mark, and the persistent state."""
     w, g, k = bytes_per_param(spec.precision, spec.main_grads_dtype)
     if spec.zero == 3:
-        leftovers = spec.num_micro_batches > 1 or spec.vp > 1  # an earlier backward's buckets still reducing
         return zero3_bytes(_chunk_buckets(spec, blocks, chunks), spec.dp, w, g, k, spec.gathering,
-                           pinned=in_flight > 1, leftovers=leftovers)
+                           pinned=in_flight > 1)
     state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
     grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], spec.dp,
                        spec.zero, spec.num_micro_batches, g)

@@ -27,9 +27,8 @@ Transient, what ``optimizer/param_units.py`` and ``grad_sync.py`` hold at a mome
                     gradient to the retiring of its reduce-scatter, plus the temporary
                     1/dp shard that reduce-scatter writes: at most MAX_INFLIGHT_BUCKETS
                     reducing and one filling, the newest one's shard allocated before the
-                    oldest retires. Reductions retire only when another bucket launches, so
-                    the last MAX_INFLIGHT_BUCKETS buckets of a backward stay allocated into
-                    the next forward and backward (``leftovers``: m > 1 or several chunks).
+                    oldest retires. A callback at the end of each backward retires the rest,
+                    so nothing of one backward lives on into the next forward.
     step copies     main grads not fp32: ``step()`` casts every reduced shard to fp32 while
                     nothing is gathered (``finish()`` freed every unit).
 
@@ -95,16 +94,15 @@ def _backward_gathered(sizes: dict[int, int], unit: int, past_blocks: bool, gath
     return root + sum(n for v, n in sizes.items() if max(1, unit - gathering.prefetch) <= v <= unit)
 
 
-def _chunk_moments(buckets: Buckets, sizes: dict[int, int], tail: list[int], held, depth: int,
-                   gathering: UnitGathering, pinned: bool, roots_pinned: bool) -> list[tuple[int, int]]:
-    """(gathered, transient gradient) elements of one chunk's forward and of each bucket of its backward,
-    after a backward whose last buckets ``tail`` are still reducing."""
-    moments = [(_forward_gathered(sizes, gathering, pinned), sum(held(n) for n in tail))]
-    seq = tail + [n for _, n in buckets]
+def _chunk_moments(buckets: Buckets, sizes: dict[int, int], held, depth: int, gathering: UnitGathering,
+                   pinned: bool, roots_pinned: bool) -> list[tuple[int, int]]:
+    """(gathered, transient gradient) elements of one chunk's forward and of each bucket of its backward."""
+    moments = [(_forward_gathered(sizes, gathering, pinned), 0)]
+    seq = [n for _, n in buckets]
     past_blocks, last_root = False, max((j for j, (u, _) in enumerate(buckets) if u == 0), default=-1)
     for j, (unit, _) in enumerate(buckets):
         past_blocks = past_blocks or unit > 0
-        window = seq[max(0, len(tail) + j + 1 - depth): len(tail) + j + 1]
+        window = seq[max(0, j + 1 - depth): j + 1]
         gathered = _backward_gathered(sizes, unit, past_blocks and unit == 0, gathering, pinned,
                                       root_gathered=roots_pinned or j <= last_root)
         moments.append((gathered, sum(held(n) for n in window)))
@@ -112,14 +110,13 @@ def _chunk_moments(buckets: Buckets, sizes: dict[int, int], tail: list[int], hel
 
 
 def zero3_bytes(chunks: list[Buckets], dp: int, w: int, g: int, k: int, gathering: UnitGathering,
-                pinned: bool, leftovers: bool) -> PeakState:
+                pinned: bool) -> PeakState:
     """Model-state bytes of one rank at ZeRO 3's high-water mark (see the module docstring).
 
     ``chunks``: this rank's chunks as ``unit_buckets`` cuts them, in the order their gradients
     arrive; ``w``, ``g``, ``k``: bytes per element of parameters, main grads and optimizer state;
     ``pinned``: more than one micro-batch is in flight on this stage (kept units stay gathered:
-    the roots, and every unit without resharding); ``leftovers``: another backward ran earlier in
-    the step (with several chunks, any of them may have been the one).
+    the roots, and every unit without resharding).
     """
     shard = sum(n for c in chunks for _, n in c) // dp
     depth = MAX_INFLIGHT_BUCKETS + 1 if dp > 1 else 1  # dp = 1 adds into the shard at once, nothing in flight
@@ -127,15 +124,13 @@ def zero3_bytes(chunks: list[Buckets], dp: int, w: int, g: int, k: int, gatherin
     def held(n: int) -> int:  # a bucket in flight: its full-size gradient and its partial shard
         return n + (n // dp if dp > 1 else 0)
 
-    tails = [[n for _, n in c][-(depth - 1):] for c in chunks] if leftovers and depth > 1 else [[]]
     sizes = [_unit_sizes(c) for c in chunks]
     roots_pinned, pinned = pinned, pinned and not gathering.reshard_after_forward  # resharded blocks are freed
     moments: list[tuple[int, int]] = []  # (gathered elements, transient gradient elements)
     for c, buckets in enumerate(chunks):
         others = sum(sum(s.values()) if pinned else s.get(0, 0) for i, s in enumerate(sizes) if i != c)
-        for tail in tails:
-            moments += [(others + gathered, transient) for gathered, transient in
-                        _chunk_moments(buckets, sizes[c], tail, held, depth, gathering, pinned, roots_pinned)]
+        moments += [(others + gathered, transient) for gathered, transient in
+                    _chunk_moments(buckets, sizes[c], held, depth, gathering, pinned, roots_pinned)]
     gathered, transient = max(moments, key=lambda m: m[0] * w + m[1] * g)
     params, grads = (shard + gathered) * w, (shard + transient) * g
     if g != 4 and shard * (w + g + 4) > params + grads:  # step(): fp32 copies of the shard, nothing gathered

@@ -88,6 +88,7 @@ class GradSyncEngine:
                 grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device,
                 shard_params=zero.shards_parameters, unit_of=unit_of))
         self._sync = True
+        self._drain_queued = False  # ZeRO 3: an end-of-backward callback will retire the reductions
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None]] = []
         self._gathers: dict[tuple[int, int], object] = {}
         self.overlap_param_gather = (overlap_param_gather and self.sharded and not zero.shards_parameters
@@ -161,6 +162,9 @@ class GradSyncEngine:
                 b.ready = 0
                 if self._sync or self.zero.shards_parameters:  # ZeRO 3 reduces every micro-batch
                     self._launch(buf, b)
+                    if self.zero.shards_parameters and not self._drain_queued:
+                        self._drain_queued = True
+                        torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
         return hook
 
@@ -187,6 +191,12 @@ class GradSyncEngine:
         self._reap(block=False)
         while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
+
+    def _drain(self) -> None:
+        """ZeRO 3, at the end of each backward: retire every reduction still in flight, so no full-size
+        bucket gradient lives on into the next forward or the step (FSDP2 does the same)."""
+        self._drain_queued = False
+        self._reap(block=True)
 
     def _retire_bucket(self, b: Bucket) -> None:
         """ZeRO 3: finish ``b``'s in-flight reduce-scatter before the next micro-batch's gradient reaches

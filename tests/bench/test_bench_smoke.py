@@ -70,3 +70,25 @@ def test_compare_and_table():
     lines = verdict(list(checks.values())).splitlines()
     assert "- megazero zero 1 vs torch DDP: more bytes (total)" in lines, lines
     assert "- megazero zero 1 vs DeepSpeed ZeRO-1: slower, more model state" in lines, lines
+
+
+def test_zero3_entries_and_verdict():
+    """bench_zero3: every megazero row names peers that exist; state/bytes/speed verdicts per pair."""
+    from bench import bench_zero3 as z3
+
+    rows = {e.name: e for e in z3.entries()}
+    for e in rows.values():
+        assert all(p in rows for p in e.peer_of), (e.name, e.peer_of)
+    assert "--no-sync-accum" in rows["FSDP2 reshard=True, 4 micro-batches, no_sync"].args
+    assert "--no-reshard" in rows["megazero zero 3 reshard=False"].args
+    results = {"megazero zero 3 reshard=True": _fake(True, 90.0, 40, 100.0, ["FSDP2 reshard=True", "DeepSpeed ZeRO-3"],
+                                                     {"all_gather": 60.0, "reduce_scatter": 40.0}),
+               "FSDP2 reshard=True": _fake(False, 100.0, 40, 120.0, kinds={"all_gather": 80.0}),
+               "DeepSpeed ZeRO-3": {"status": "not installed (deepspeed)"}}
+    checks = z3.compare(results, [1.0, 0.9])
+    lines = z3.verdict(checks)
+    assert lines[0].startswith("- megazero zero 3 reshard=True vs FSDP2 reshard=True: 0.90x") and \
+        lines[0].endswith("fails: slower"), lines
+    assert lines[1] == "- megazero zero 3 reshard=True vs DeepSpeed ZeRO-3: peer not installed (deepspeed)", lines
+    text = "\n".join(z3.table(results))
+    assert "| megazero zero 3 reshard=True | 90 | 90 | 0.00 | 0.00 | 0.00 | 0.00 | 0.0e+00 |" in text, text

@@ -58,6 +58,13 @@ class ParallelConfig:
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
         "None or 1 = one chunk.")
+    offload_optimizer: str = opt("none", "Where the fp32 master weights and Adam moments live: none (the device), "
+                                 "cpu (host memory; the step runs there) or disk (per-rank files under "
+                                 "--offload-path, streamed bucket by bucket).", choices=("none", "cpu", "disk"))
+    offload_path: str | None = opt(None, "--offload-optimizer disk: folder for the per-rank optimizer-state files "
+                                   "(a fast local disk; each rank writes rank<N>/ there).")
+    offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one bucket of state each) the step "
+                               "streams through; >= 2 so the next bucket is read while one is updated.")
     distributed_timeout_minutes: float = opt(10.0, "Minutes a collective may wait for a peer before the run fails "
                                              "(a dead or stuck rank then ends the job; fractions allowed).")
 
@@ -70,6 +77,14 @@ class ParallelConfig:
         require(self.zero3_unit_layers >= 1, f"--zero3-unit-layers must be >= 1, got {self.zero3_unit_layers}.")
         require(self.zero3_prefetch >= 0, f"--zero3-prefetch must be >= 0, got {self.zero3_prefetch}.")
         require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
+        require(self.offload_optimizer in ("none", "cpu", "disk"),
+                 f"--offload-optimizer must be none, cpu or disk, got {self.offload_optimizer!r}.")
+        require(self.offload_optimizer != "disk" or bool(self.offload_path),
+                 "--offload-optimizer disk needs --offload-path DIR (a folder for the optimizer-state files).")
+        require(self.offload_path is None or self.offload_optimizer == "disk",
+                 "--offload-path only applies with --offload-optimizer disk; add it or drop --offload-path.")
+        require(self.offload_buffers >= 2, f"--offload-buffers must be >= 2 (one bucket is read ahead while one "
+                                           f"is updated), got {self.offload_buffers}.")
 
     @property
     def tp(self) -> int:

@@ -59,7 +59,7 @@ class UnitGathering:
 
 
 class Placement(str, enum.Enum):
-    """Where a kind of training state lives between uses (offload tiers; only the device so far)."""
+    """Where a kind of training state lives between uses (offload tiers; optimizer state: all three)."""
 
     DEVICE = "device"
     HOST = "host"
@@ -70,6 +70,8 @@ class Placement(str, enum.Enum):
 class StatePlacement:
     optimizer_state: Placement = Placement.DEVICE  # fp32 master weights + moments (ZeRO-Offload: HOST/DISK)
     parameters: Placement = Placement.DEVICE  # compute-precision parameter shards (ZeRO-3 + offload)
+    offload_path: str | None = None  # DISK: folder of the per-rank optimizer-state files
+    offload_buffers: int = 2  # DISK: host buffers (one bucket of state each) the step streams through
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,7 @@ class RunPlan:
                    main_grads_dtype=DTYPES[t.main_grads_dtype] if compute != torch.float32 else torch.float32,
                    vocab_size=m.vocab_size,
                    padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp),
-                   gathering=_gathering(cfg))
+                   placement=_placement(cfg), gathering=_gathering(cfg))
 
     @property
     def tp(self) -> int:
@@ -137,6 +139,12 @@ class RunPlan:
 def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, Any]:
     """The one schema of a recorded layout (a converter writes it for a layout it never runs)."""
     return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero), "virtual_stages": virtual_stages}
+
+
+def _placement(cfg: Config) -> StatePlacement:
+    p = cfg.parallel
+    where = {"none": Placement.DEVICE, "cpu": Placement.HOST, "disk": Placement.DISK}[p.offload_optimizer]
+    return StatePlacement(optimizer_state=where, offload_path=p.offload_path, offload_buffers=p.offload_buffers)
 
 
 def _gathering(cfg: Config) -> UnitGathering | None:

@@ -82,12 +82,13 @@ def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Param
     """Write this rank's master weights and moments; returns their index entry and any non-finite names."""
     names = {id(p): n for n, p in named.items()}
     tensors, ranges = {}, {}
+    transient = getattr(optimizer, "state_views_transient", False)  # disk offload reuses its buffers
     for param, param_lo, views in optimizer.state_segments():
         name = names[id(param)]
         n = views["exp_avg"].numel()
         ranges[name] = [param_lo, param_lo + n]
         for kind in KINDS:
-            tensors[f"{name}/{kind}"] = views[kind].detach()
+            tensors[f"{name}/{kind}"] = views[kind].detach().clone() if transient else views[kind].detach()
     bad = non_finite(tensors)
     fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
     save_file({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))

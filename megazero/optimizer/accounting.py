@@ -2,7 +2,10 @@
 
 At start-up every rank reports the bytes it holds in parameters, gradients
 (main-grad buffer or ZeRO-2 shard) and optimizer state (fp32 master copy and
-Adam moments). Views share storage, so each storage is counted once.
+Adam moments). Views share storage, so each storage is counted once. With
+``--offload-optimizer`` the optimizer bytes on the device are 0 and the record
+adds ``optimizer_host_bytes`` (host copy, or the disk tier's K buffers) and
+``optimizer_disk_bytes`` (the rank's state file).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from torch import nn
 from ..model.gpt import count_parameters
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
+from ..run_plan import Placement
 from .zero import DistributedOptimizer
 
 
@@ -33,8 +37,11 @@ def measured_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
                            + [b.param for buf in opt.buffers for b in buf.buckets])  # ZeRO 3: only gathered ones
     grads = storage_bytes([buf.grad_data for buf in opt.buffers] + [buf.grad_shard_data for buf in opt.buffers]
                           + [b.grad for buf in opt.buffers for b in buf.buckets])
-    optimizer = storage_bytes(t for state in opt.states for t in state.tensors())
-    return {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer}
+    optimizer = storage_bytes(opt.store.tensors())  # on the device; offloaded state is counted apart
+    out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer}
+    if opt.store.placement != Placement.DEVICE:  # --offload-optimizer: host buffers and file bytes
+        out.update(optimizer_host_bytes=opt.store.host_bytes(), optimizer_disk_bytes=opt.store.disk_bytes())
+    return out
 
 
 def counted_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:

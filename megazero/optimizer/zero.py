@@ -5,8 +5,9 @@ the step that runs on the reduced shards once the engine has finished:
 
     step()      wait for the engine's reductions and replicated-grad sums; unscale +
                 overflow check (fp16); global norm (summed in fp64); skip on overflow
-                or a non-finite norm; clip; AdamW on the fp32 master shard; cast back
-                into the parameter buffer; the engine all-gathers the updated shards.
+                or a non-finite norm; clip; AdamW on the fp32 master shard where the
+                store keeps it (``offload.py``: device, host or disk, bucket by bucket);
+                cast back into the parameter buffer; the engine all-gathers the updated shards.
 
 It also implements ``ShardedOptimizerState`` (``protocol.py``), the interface
 checkpoints save and load through.
@@ -25,11 +26,12 @@ from torch import nn
 from ..config import Config, OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import RunPlan, UnitGathering, ZeroStage
-from .adam import AdamHyper, ShardedAdamState, StepResult, adamw_shard_step, decay_runs
+from ..run_plan import Placement, RunPlan, StatePlacement, UnitGathering, ZeroStage
+from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
+from .offload import OffloadError, build_store
 from .scaler import DynamicLossScaler
 
 
@@ -39,7 +41,8 @@ class DistributedOptimizer:
     def __init__(self, modules: list[nn.Module], cfg: OptimizerConfig, pstate: ParallelState, *,
                  zero: ZeroStage | int = ZeroStage.NONE, bucket_size: int = 10_000_000,
                  main_grads_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
-                 scaler: DynamicLossScaler | None = None, gathering: UnitGathering | None = None) -> None:
+                 scaler: DynamicLossScaler | None = None, gathering: UnitGathering | None = None,
+                 placement: StatePlacement = StatePlacement()) -> None:
         self.cfg, self.pstate, self.zero, self.scaler = cfg, pstate, ZeroStage(zero), scaler
         if self.zero.shards_parameters and gathering is None:
             gathering = UnitGathering()
@@ -47,7 +50,10 @@ class DistributedOptimizer:
                                    main_grads_dtype=main_grads_dtype, overlap_param_gather=overlap_param_gather,
                                    gathering=gathering)
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
-        self.states = [ShardedAdamState([buf.param_shard(b) for b in buf.buckets]) for buf in self.buffers]
+        self.store = _agreed_store([[buf.param_shard(b) for b in buf.buckets] for buf in self.buffers],
+                                   placement, pstate)
+        self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
+        self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
@@ -124,13 +130,16 @@ class DistributedOptimizer:
         self.step_count += 1
         hyper = AdamHyper(lr=lr, weight_decay=self.cfg.weight_decay, beta1=self.cfg.adam_beta1,
                           beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
-        for buf, state, gs, runs in zip(self.buffers, self.states, grads, self.decay_runs):
-            for b, g, (master, exp_avg, exp_avg_sq), r in zip(buf.buckets, gs, state.views, runs):
-                if coef < 1.0:
-                    g.mul_(coef)
-                adamw_shard_step(master, g, exp_avg, exp_avg_sq, r, hyper, self.step_count)
-                if state.separate_master:
-                    buf.param_shard(b).copy_(master)
+        flat_grads = [g for gs in grads for g in gs]
+        flat_runs = [r for runs in self.decay_runs for r in runs]
+        for i, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state, bucket by bucket, where it lives
+            buf, b = self.bucket_list[i]
+            g = flat_grads[i]
+            if coef < 1.0:
+                g.mul_(coef)
+            adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, flat_runs[i], hyper, self.step_count)
+            if self.store.separate_master:
+                buf.param_shard(b).copy_(master)
         self.sync.gather_params()
         return StepResult(grad_norm=norm, loss_scale=scale)
 
@@ -171,12 +180,20 @@ class DistributedOptimizer:
     def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
         """Per piece of a parameter this rank updates: (param, flat offset into the TP-local param,
         views of its fp32 master weights and moments). Checkpoints save and load through these."""
-        for buf, state in zip(self.buffers, self.states):
-            for b, (master, exp_avg, exp_avg_sq) in zip(buf.buckets, state.views):
-                for seg in b.segments:
-                    piece = slice(seg.lo, seg.hi)
-                    yield seg.param, seg.param_lo, {"master": master[piece], "exp_avg": exp_avg[piece],
-                                                    "exp_avg_sq": exp_avg_sq[piece]}
+        for i, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # disk: one bucket loaded at a time
+            for seg in self.bucket_list[i][1].segments:
+                piece = slice(seg.lo, seg.hi)
+                yield seg.param, seg.param_lo, {"master": master[piece], "exp_avg": exp_avg[piece],
+                                                "exp_avg_sq": exp_avg_sq[piece]}
+
+    @property
+    def state_views_transient(self) -> bool:
+        """True when ``state_segments``' views are reused for the next bucket (disk offload): copy to keep."""
+        return self.store.placement == Placement.DISK
+
+    def close(self) -> None:
+        """Release the offload store (the disk tier removes this rank's file)."""
+        self.store.close()
 
     def state_scalars(self) -> dict[str, Any]:
         return {"step": self.step_count, "scaler": None if self.scaler is None else self.scaler.state_dict()}
@@ -189,12 +206,30 @@ class DistributedOptimizer:
     @torch.no_grad()
     def sync_params_from_master(self) -> None:
         """After loading master shards: cast them into the parameters and gather the full buckets."""
-        for buf, state in zip(self.buffers, self.states):
-            if state.separate_master:
-                for b, (master, _, _) in zip(buf.buckets, state.views):
-                    buf.param_shard(b).copy_(master)
+        if self.store.separate_master:
+            for i, (master, _, _) in self.store.sweep():
+                buf, b = self.bucket_list[i]
+                buf.param_shard(b).copy_(master)
         self.sync.gather_params()
         self.sync.wait_param_gather()
+
+
+def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, pstate: ParallelState):
+    """The optimizer-state store; a rank that cannot build it (an unusable --offload-path) makes every
+    rank raise the same error here, before a collective of the step could hang on it."""
+    store, problem = None, None
+    try:
+        store = build_store(shards, placement, pstate.rank)
+    except OffloadError as err:
+        problem = f"rank {pstate.rank}: {err}"
+    if placement.optimizer_state == Placement.DEVICE:
+        return store
+    problems = [p for p in C.all_gather_object(problem, pstate.world_group) if p]
+    if problems:
+        if store is not None:
+            store.close()
+        raise OffloadError(problems[0])
+    return store
 
 
 def _norm_runs(b: Bucket, pstate: ParallelState, counted: bool = True) -> list[tuple[int, int]]:
@@ -220,4 +255,4 @@ def build_distributed_optimizer(cfg: Config, chunks: list[nn.Module], pstate: Pa
     return DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=plan.zero, bucket_size=par.bucket_size,
                                 main_grads_dtype=plan.main_grads_dtype,
                                 overlap_param_gather=par.overlap_param_gather, scaler=scaler,
-                                gathering=plan.gathering)
+                                gathering=plan.gathering, placement=plan.placement)

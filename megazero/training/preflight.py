@@ -29,6 +29,8 @@ def output_paths(cfg: Config) -> list[tuple[str, str]]:
         out.append(("--timeline", os.path.dirname(os.path.abspath(rank_path(lg.timeline, 0)))))
     if lg.wandb_project and lg.wandb_dir:
         out.append(("--wandb-dir", lg.wandb_dir))
+    if cfg.parallel.offload_optimizer == "disk" and cfg.parallel.offload_path:
+        out.append(("--offload-path", cfg.parallel.offload_path))
     return out
 
 

@@ -186,5 +186,6 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         return trainer.train()
     finally:
         log.close()
+        optimizer.close()  # --offload-optimizer disk: this rank's state file goes
         if wandb is not None:
             wandb.finish()

@@ -1,0 +1,247 @@
+"""Where the optimizer state lives: on the device, in host memory, or in a file on disk.
+
+The step (``zero.py``) visits every bucket of every buffer in one fixed order and
+asks the store for that bucket's fp32 state - views ``(master, exp_avg,
+exp_avg_sq)`` of its shard - through ``sweep()``, a generator of
+``(bucket index, views)``. The three stores give the same views, so AdamW runs
+the same kernel, on the same numbers, in the same order, and an offloaded run is
+bitwise the in-memory one on a CPU-only machine (where host = device):
+
+    DeviceStore  the existing ``ShardedAdamState`` per buffer (fp32 runs: the
+                 parameter shard itself is the master copy)
+    HostStore    master + moments in host memory (pinned on CUDA), the master a
+                 separate copy so the parameter shard stays where the params live
+                 (ZeRO-Offload)
+    DiskStore    master + moments in one file per rank, laid out per bucket as
+                 [master | exp_avg | exp_avg_sq]; a sweep streams buckets through
+                 K preallocated host buffers with read-ahead of the next bucket and
+                 write-behind of the last (ZeRO-Infinity's NVMe tier)
+
+The disk store reads and writes with ``os.preadv``/``os.pwritev`` into its own
+buffers, never ``mmap``: mapped file pages would count in the process RSS the
+offload is meant to shrink. The file's blocks are reserved up front
+(``posix_fallocate``), so a full disk is reported at start-up, not mid-step.
+The files are a working set, not a checkpoint: checkpoints still go through
+``state_segments`` into the sharded safetensors format.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import torch
+
+from ..run_plan import Placement, StatePlacement
+from .adam import ShardedAdamState
+
+Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (master, exp_avg, exp_avg_sq), each [shard_numel] fp32
+KINDS = 3  # tensors of state per bucket, in file order
+
+
+class OffloadError(ValueError):
+    """The offload folder cannot hold the optimizer state; the message names --offload-path and the fix."""
+
+
+class DeviceStore:
+    """The in-memory state: one ``ShardedAdamState`` per buffer, as without offload."""
+
+    placement = Placement.DEVICE
+
+    def __init__(self, shards: list[list[torch.Tensor]]) -> None:
+        self.states = [ShardedAdamState(s) for s in shards]
+        self.separate_master = any(s.separate_master for s in self.states)
+        self._views = [v for state in self.states for v in state.views]
+
+    def sweep(self) -> Iterator[tuple[int, Views]]:
+        yield from enumerate(self._views)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Device-resident tensors (for memory accounting)."""
+        return [t for state in self.states for t in state.tensors()]
+
+    def host_bytes(self) -> int:
+        return 0
+
+    def disk_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
+class HostStore(DeviceStore):
+    """Master + moments in host memory, pinned on CUDA so copies to and from the device are asynchronous."""
+
+    placement = Placement.HOST
+    states: list = []
+
+    def __init__(self, shards: list[list[torch.Tensor]]) -> None:
+        flat = [t for s in shards for t in s]
+        total = sum(t.numel() for t in flat)
+        self.separate_master = True  # the parameter shard stays on the device; the master is a copy here
+        self.data = _host_empty(KINDS * total)
+        self.data.zero_()
+        master, self.exp_avg, self.exp_avg_sq = self.data.split(total)
+        self._views, offset = [], 0
+        for t in flat:
+            sl = slice(offset, offset + t.numel())
+            master[sl].copy_(t)  # fp32 masters start as the (compute-dtype) parameters upcast
+            self._views.append((master[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
+            offset += t.numel()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def host_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class DiskStore:
+    """Master + moments in ``DIR/rank{r}/optimizer_state.bin``, streamed through ``buffers`` host buffers."""
+
+    placement = Placement.DISK
+    states: list = []
+
+    def __init__(self, shards: list[list[torch.Tensor]], folder: str, rank: int, buffers: int) -> None:
+        assert buffers >= 2, "one buffer is computed while the next is read ahead"
+        self.folder, self.separate_master = folder, True
+        self.numels = [t.numel() for s in shards for t in s]
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + KINDS * n * 4)
+        self.dir = os.path.join(folder, f"rank{rank}")
+        self.path = os.path.join(self.dir, "optimizer_state.bin")
+        width = KINDS * max(self.numels, default=0)
+        # the only state this rank holds in memory: K buffers, or one per bucket when there are fewer
+        self.pool = [_host_empty(width) for _ in range(max(1, min(buffers, len(self.numels))))]
+        self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
+        self.fd = -1
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            if self.offsets[-1]:
+                os.posix_fallocate(self.fd, 0, self.offsets[-1])
+            self._write_initial([t for s in shards for t in s])
+        except OSError as err:
+            self.close()
+            raise self.error(err, "creating the optimizer-state file") from err
+
+    def error(self, err: OSError, doing: str) -> OffloadError:
+        """One line naming the flag, the folder, what failed and the fix."""
+        need = f"{self.offsets[-1] / 2**20:.1f} MiB per rank"
+        fix = ("free space there or choose a folder on a larger disk" if err.errno in (errno.ENOSPC, errno.EDQUOT)
+               else "choose a writable folder")
+        return OffloadError(f"--offload-path {self.folder}: {doing} failed ({err.strerror or err}; the optimizer "
+                            f"state needs {need}); {fix}.")
+
+    def _write_initial(self, flat: list[torch.Tensor]) -> None:
+        """Masters = the parameters upcast, moments = 0, bucket by bucket through the first buffer."""
+        buf = self.pool[0]
+        for i, t in enumerate(flat):
+            n = t.numel()
+            buf[:KINDS * n].zero_()
+            buf[:n].copy_(t)
+            self._pwrite(i, buf)
+
+    def _span(self, i: int, buf: torch.Tensor) -> memoryview:
+        n = self.numels[i]
+        return memoryview(buf[:KINDS * n].numpy()).cast("B")
+
+    def _pwrite(self, i: int, buf: torch.Tensor) -> None:
+        view, done = self._span(i, buf), 0
+        while done < len(view):  # a short write is legal; ENOSPC/EIO raise OSError
+            done += os.pwritev(self.fd, [view[done:]], self.offsets[i] + done)
+
+    def _pread(self, i: int, buf: torch.Tensor) -> None:
+        view, done = self._span(i, buf), 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], self.offsets[i] + done)
+            if got == 0:
+                raise OSError(errno.EIO, f"{self.path} is shorter than the optimizer state")
+            done += got
+
+    def _views(self, i: int, buf: torch.Tensor) -> Views:
+        n = self.numels[i]
+        return tuple(buf[k * n:(k + 1) * n] for k in range(KINDS))  # type: ignore[return-value]
+
+    def sweep(self) -> Iterator[tuple[int, Views]]:
+        """Every bucket's state in order; what the caller writes into the views reaches the file.
+
+        Buffers cycle free -> reading -> in the caller's hands -> writing -> free; a read-ahead
+        takes a free buffer, or waits for the oldest write-behind to finish, so no more than K
+        buckets' state is ever in memory.
+        """
+        free, reads, writes = deque(self.pool), deque(), deque()
+
+        def take() -> torch.Tensor:
+            if not free:
+                fut, buf, doing = writes.popleft()
+                self._finish(fut, doing)
+                free.append(buf)
+            return free.popleft()
+
+        def read(i: int) -> None:
+            buf = take()
+            reads.append((i, buf, self.io.submit(self._pread, i, buf)))
+
+        try:
+            if self.numels:
+                read(0)
+            for i in range(len(self.numels)):
+                _, buf, fut = reads.popleft()
+                if i + 1 < len(self.numels):
+                    read(i + 1)
+                self._finish(fut, "reading the optimizer state")
+                yield i, self._views(i, buf)
+                writes.append((self.io.submit(self._pwrite, i, buf), buf, "writing the optimizer state"))
+        finally:
+            for fut, _, doing in list(writes) + [(f, None, "reading the optimizer state") for _, _, f in reads]:
+                self._finish(fut, doing)  # nothing is left in flight when the sweep ends (or is abandoned)
+
+    def _finish(self, fut: Future, doing: str) -> None:
+        """Wait for one transfer; a failed one becomes the flag-naming error."""
+        try:
+            fut.result()
+        except OSError as err:
+            raise self.error(err, doing) from err
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+    def host_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.pool)
+
+    def disk_bytes(self) -> int:
+        return self.offsets[-1]
+
+    def close(self) -> None:
+        """Remove this rank's file (and its folder when empty); the user's --offload-path stays."""
+        self.io.shutdown(wait=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            os.remove(self.path)
+            try:
+                os.rmdir(self.dir)
+            except OSError:
+                pass  # something else lives there
+
+
+def _host_empty(numel: int) -> torch.Tensor:
+    """fp32 host memory, pinned when a GPU will copy to and from it."""
+    t = torch.empty(numel, dtype=torch.float32)
+    return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def build_store(shards: list[list[torch.Tensor]], placement: StatePlacement, rank: int):
+    """The store for ``placement.optimizer_state``; ``shards``: per buffer, each bucket's parameter shard."""
+    where = placement.optimizer_state
+    if where == Placement.HOST:
+        return HostStore(shards)
+    if where == Placement.DISK:
+        assert placement.offload_path, "RunPlan.resolve requires --offload-path with disk"
+        return DiskStore(shards, placement.offload_path, rank, placement.offload_buffers)
+    return DeviceStore(shards)

@@ -53,14 +53,11 @@ DeepSpeed the engine's optimizer (partitions, fp32 copy, persistent parameters, 
 bucket). Bytes: the ``torch.distributed`` calls, counted alike for every entry
 (``bench/comm_count.py``). Every loss sequence matches the single-process run to ~2e-7.
 
-Why megazero's model state is 43.06 MiB and not 32.36. After the last backward two
-reduce-scatters are still in flight (gloo reports no completion before ``wait()``), and
-megazero retires them at the start of ``step()``: the last block's and the root unit's
-full-size bucket gradients (3.16 MB + 4.33 MB) and their reduce-scatter outputs (1.58 MB +
-2.16 MB), 10.7 MiB in all. FSDP2 waits for its reduce-scatters in a callback queued with
-autograd at the end of every backward. The same callback in ``GradSyncEngine`` (retire
-everything in flight when the backward ends; nothing is left there to overlap with) measured
-32.36 MiB on every megazero row here (FSDP2: 32.36), with unchanged losses.
+Model state at the end of a backward. gloo reports no completion of a reduce-scatter before
+``wait()``, so the last buckets' reductions are still in flight when a backward ends; megazero
+retires them in a callback queued with autograd at the end of every backward (as FSDP2 does),
+so their full-size bucket gradients never live on into the next forward or the step. Before
+that callback the megazero rows measured 43.06 MiB (two buckets, 10.7 MiB, alive until step()).
 
 Gradient accumulation, the trade-off. megazero reduce-scatters every micro-batch into its 1/dp
 grad shard: 4 x 8.09 MiB of reduce-scatter per step at 4 micro-batches, and no full-size

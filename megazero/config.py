@@ -61,7 +61,10 @@ class ParallelConfig:
     offload_optimizer: str = opt("none", "Where the fp32 master weights and Adam moments live: none (the device), "
                                  "cpu (host memory; the step runs there) or disk (per-rank files under "
                                  "--offload-path, streamed bucket by bucket).", choices=("none", "cpu", "disk"))
-    offload_path: str | None = opt(None, "--offload-optimizer disk: folder for the per-rank optimizer-state files "
+    offload_params: str = opt("none", "ZeRO 3: where each rank's parameter shards live between uses: none (the "
+                              "device), cpu (host memory) or disk (files under --offload-path); needs "
+                              "--offload-optimizer cpu or disk.", choices=("none", "cpu", "disk"))
+    offload_path: str | None = opt(None, "--offload-optimizer/--offload-params disk: folder for the per-rank files "
                                    "(a fast local disk; each rank writes rank<N>/ there).")
     offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one bucket of state each) the step "
                                "streams through; >= 2 so the next bucket is read while one is updated.")
@@ -77,12 +80,17 @@ class ParallelConfig:
         require(self.zero3_unit_layers >= 1, f"--zero3-unit-layers must be >= 1, got {self.zero3_unit_layers}.")
         require(self.zero3_prefetch >= 0, f"--zero3-prefetch must be >= 0, got {self.zero3_prefetch}.")
         require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
-        require(self.offload_optimizer in ("none", "cpu", "disk"),
-                 f"--offload-optimizer must be none, cpu or disk, got {self.offload_optimizer!r}.")
-        require(self.offload_optimizer != "disk" or bool(self.offload_path),
-                 "--offload-optimizer disk needs --offload-path DIR (a folder for the optimizer-state files).")
-        require(self.offload_path is None or self.offload_optimizer == "disk",
-                 "--offload-path only applies with --offload-optimizer disk; add it or drop --offload-path.")
+        for name, where in (("optimizer", self.offload_optimizer), ("params", self.offload_params)):
+            require(where in ("none", "cpu", "disk"), f"--offload-{name} must be none, cpu or disk, got {where!r}.")
+        require(self.offload_params == "none" or (self.zero == 3 and self.offload_optimizer != "none"),
+                 f"--offload-params {self.offload_params} needs --zero 3 (got {self.zero}) and --offload-optimizer "
+                 f"cpu or disk (got {self.offload_optimizer}); add them or drop --offload-params.")
+        disk = "disk" in (self.offload_optimizer, self.offload_params)
+        which = "--offload-optimizer" if self.offload_optimizer == "disk" else "--offload-params"
+        require(not disk or bool(self.offload_path), f"{which} disk needs --offload-path DIR (a folder for the "
+                                                      f"per-rank state files).")
+        require(self.offload_path is None or disk,
+                 "--offload-path only applies with --offload-optimizer or --offload-params disk; add one or drop it.")
         require(self.offload_buffers >= 2, f"--offload-buffers must be >= 2 (one bucket is read ahead while one "
                                            f"is updated), got {self.offload_buffers}.")
 

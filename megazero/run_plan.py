@@ -70,7 +70,7 @@ class Placement(str, enum.Enum):
 class StatePlacement:
     optimizer_state: Placement = Placement.DEVICE  # fp32 master weights + moments (ZeRO-Offload: HOST/DISK)
     parameters: Placement = Placement.DEVICE  # compute-precision parameter shards (ZeRO-3 + offload)
-    offload_path: str | None = None  # DISK: folder of the per-rank optimizer-state files
+    offload_path: str | None = None  # DISK: folder of the per-rank optimizer-state (and parameter-shard) files
     offload_buffers: int = 2  # DISK: host buffers (one bucket of state each) the step streams through
 
 
@@ -143,8 +143,9 @@ def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, A
 
 def _placement(cfg: Config) -> StatePlacement:
     p = cfg.parallel
-    where = {"none": Placement.DEVICE, "cpu": Placement.HOST, "disk": Placement.DISK}[p.offload_optimizer]
-    return StatePlacement(optimizer_state=where, offload_path=p.offload_path, offload_buffers=p.offload_buffers)
+    where = {"none": Placement.DEVICE, "cpu": Placement.HOST, "disk": Placement.DISK}
+    return StatePlacement(optimizer_state=where[p.offload_optimizer], parameters=where[p.offload_params],
+                          offload_path=p.offload_path, offload_buffers=p.offload_buffers)
 
 
 def _gathering(cfg: Config) -> UnitGathering | None:

@@ -3,12 +3,17 @@
     python tools/plan_memory.py --config configs/tiny.yaml --tp 2 --pp 2 --dp 4 --zero 1 --bf16
     python tools/plan_memory.py ... --json            # one JSON object (bytes)
     python tools/plan_memory.py ... --gpus 64 --gpu-memory 80 [--gpus-per-node 8]   # search
+    python tools/plan_memory.py ... --offload-optimizer cpu|disk [--offload-params cpu|disk]   # host / disk bytes
+    python tools/plan_memory.py ... --gpus 8 --gpu-memory 40 --search-offload    # also layouts needing offload
     python tools/plan_memory.py --write-docs          # regenerate the planner blocks of README/docs
 
 Takes pretrain_gpt.py's model and layout flags; ``--dp`` (default 1) stands in
 for the world size the launcher would give. The search keeps the model, seq
 length, precision and global batch, and varies tp (inside a node), pp, dp,
-zero, micro-batch and recompute. Arithmetic: ``megazero.memory``.
+zero, micro-batch and recompute (and with ``--search-offload`` the offload placement of
+layouts that do not fit otherwise). Offload costs are assumption-based (bandwidths in
+``megazero/memory/offload.py``). ``--offload-optimizer disk`` needs no real
+``--offload-path`` here: the planner writes nothing. Arithmetic: ``megazero.memory``.
 
 The 7B and 70B tables in README.md and docs/planner_7b.md are this tool's output,
 pasted between ``<!-- plan:NAME begin -->`` / ``<!-- plan:NAME end -->``
@@ -21,13 +26,17 @@ import os
 import re
 import shlex
 import sys
+from dataclasses import fields, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.arguments import parse_config  # noqa: E402
+from megazero.config import ParallelConfig  # noqa: E402
 from megazero.memory import (Hardware, format_candidates, format_plan, format_rows, plan_for_run,  # noqa: E402
-                             search_layouts)
+                             plan_memory, search_layouts)
+
+PLANNED_PATH = "(planned)"  # stands in for --offload-path: the planner opens no file
 
 EXTRA = [
     ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x pp x dp)."}),
@@ -44,28 +53,62 @@ EXTRA = [
     ("--zero-stages", {"type": int, "nargs": "+", "choices": (0, 1, 2, 3), "default": None,
                        "help": "Plan the layout once per ZeRO stage given (overrides --zero): one row each, "
                                "the peak stage's figures."}),
+    ("--offload-tiers", {"nargs": "+", "choices": ("none", "cpu", "disk"), "default": None,
+                         "help": "With --zero-stages: one row per stage and --offload-optimizer placement given."}),
+    ("--search-offload", {"action": "store_true", "help": "Search mode: retry layouts that do not fit with the "
+                                                          "optimizer state (and ZeRO-3 parameters) offloaded."}),
+    ("--host-memory", {"type": float, "default": 256.0, "help": "Search mode: host memory per GPU in GiB."}),
+    ("--disk-space", {"type": float, "default": 3576.0, "help": "Search mode: offload disk per GPU in GiB."}),
     ("--write-docs", {"action": "store_true", "help": "Regenerate the planner tables in README.md and "
                                                       "docs/planner_7b.md (other flags are ignored)."}),
 ]
+if "offload_params" not in {f.name for f in fields(ParallelConfig)}:  # until the trainer has the flag
+    EXTRA.append(("--offload-params", {"default": "none", "choices": ("none", "cpu", "disk"),
+                                       "help": "ZeRO 3: where the parameter shards live between uses (planned)."}))
+
+
+def _with_planned_path(argv: list[str]) -> list[str]:
+    """``argv`` plus a stand-in --offload-path when disk offload is asked for without one."""
+    disk = any(a in ("--offload-optimizer", "--offload-params") and i + 1 < len(argv) and argv[i + 1] == "disk"
+               for i, a in enumerate(argv)) or any(a in argv for a in ("--offload-optimizer=disk",
+                                                                        "--offload-params=disk"))
+    has_path = any(a == "--offload-path" or a.startswith("--offload-path=") for a in argv)
+    return argv + ["--offload-path", PLANNED_PATH] if disk and not has_path else argv
+
+
+def _plan(cfg, ns, **settings):
+    """The plan of ``cfg`` (with flat ``settings`` changed) on tp x pp x --dp ranks."""
+    cfg = cfg.updated(**settings) if settings else cfg
+    plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
+    params = getattr(ns, "offload_params", "none")  # the tool's own flag, while ParallelConfig lacks it
+    return plan_memory(replace(plan.spec, offload_params=params)) if params != "none" else plan
+
+
+def _tier(where: str, cfg) -> dict[str, object]:
+    """Flat settings for --offload-optimizer ``where`` (a stand-in path while anything goes to disk)."""
+    disk = "disk" in (where, getattr(cfg.parallel, "offload_params", "none"))
+    return {"offload_optimizer": where, "offload_path": PLANNED_PATH if disk else None}
 
 
 def report(argv: list[str]) -> tuple[int, str]:
     """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
-    cfg, ns = parse_config(argv, prog="plan_memory.py", extra=EXTRA)
+    cfg, ns = parse_config(_with_planned_path(list(argv)), prog="plan_memory.py", extra=EXTRA)
     if ns.gpus is None and ns.zero_stages:
-        plans = [plan_for_run(cfg.updated(zero=z), cfg.parallel.tp * cfg.parallel.pp * ns.dp) for z in ns.zero_stages]
+        tiers = ns.offload_tiers or [cfg.parallel.offload_optimizer]
+        plans = [_plan(cfg, ns, zero=z, **_tier(t, cfg)) for z in ns.zero_stages for t in tiers]
         return 0, json.dumps([p.to_dict() for p in plans]) if ns.json else format_rows(plans)
     if ns.gpus is None:
-        plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
+        plan = _plan(cfg, ns)
         return 0, json.dumps(plan.to_dict()) if ns.json else format_plan(plan)
     hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,
                   peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
                   intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
-                  headroom=ns.headroom)
+                  headroom=ns.headroom, host_memory_gib=ns.host_memory, disk_gib=ns.disk_space)
     base = plan_for_run(cfg.updated(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 1).spec
-    cands = search_layouts(base, hw, cfg.training.global_batch_size)
+    cands = search_layouts(base, hw, cfg.training.global_batch_size, offload=ns.search_offload)
     if ns.json:
-        return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0}
+        return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0,
+                                                 "offload_only": c.offload_only}
                                                 for i, c in enumerate(cands[: ns.top])])
     return (0 if cands else 1), format_candidates(cands, hw, ns.top)
 
@@ -85,6 +128,12 @@ ZERO_ROWS_70B = ["--tp 8 --pp 8 --dp 8 --sequence-parallel --zero-stages 1 2 3",
                  "--tp 8 --pp 4 --dp 32 --sequence-parallel --zero-stages 1 2 3",
                  "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --zero-stages 1 2 3",
                  "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --no-reshard-after-forward --zero-stages 3"]
+OFFLOAD_7B = ["--gpus 1 --gpu-memory 80 --search-offload --top 4",
+              "--tp 1 --pp 1 --dp 8 --recompute full --micro-batch-size 8 --zero-stages 1 3 "
+              "--offload-tiers none cpu disk"]
+OFFLOAD_PARAMS_7B = ["--tp 1 --pp 1 --dp 8 --recompute full --micro-batch-size 8 --zero 3 --offload-optimizer cpu "
+                     "--offload-params cpu --zero-stages 3 --offload-tiers cpu disk",
+                     "--gpus 8 --gpu-memory 16 --search-offload --top 4"]
 
 
 def _run_block(flags: list[str], with_f: bool, model: str = F_7B, var: str = "F") -> str:
@@ -110,11 +159,13 @@ def doc_blocks() -> dict[str, dict[str, str]]:
     """File (relative to the repository) -> block name -> generated block text."""
     return {
         "README.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"] + ZERO_ROWS_7B, with_f=True),
-                      "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70")},
+                      "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70"),
+                      "offload": _run_block(OFFLOAD_7B, with_f=False)},
         "docs/planner_7b.md": {"7b-search": _run_block([f"{SEARCH_7B} --top 12"], with_f=True),
                                "7b-best": _run_block([best_layout_flags()], with_f=False),
                                "7b-dp": _run_block(DP_ONLY_7B + ZERO_ROWS_7B, with_f=False),
-                               "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70")},
+                               "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70"),
+                               "offload": _run_block(OFFLOAD_7B + OFFLOAD_PARAMS_7B, with_f=False)},
     }
 
 

@@ -5,18 +5,21 @@
 - ``zero3``: ZeRO 3's model state at its high-water mark (gathered units, bucket gradients);
 - ``activations``: bytes saved for backward, per term, calibrated to our blocks;
 - ``plan``: both combined per pipeline stage (``plan_memory``, ``format_plan``);
-- ``search``: feasible layouts on a cluster ranked by a step-time model;
+- ``offload``: device / host / disk bytes with ``--offload-optimizer``/``--offload-params``, and an
+  assumption-based cost per step;
+- ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional);
 - ``measure``: saved-tensor hooks to check the activation figures against a real forward.
 """
 from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro_batches, layer_terms
 from .grads import GradBytes, bucket_numels, grad_bytes
 from .measure import SavedTensorMeter, tensor_bytes
 from .params import StateBytes, chunk_params, model_state_bytes, num_parameters
+from .offload import OffloadBytes, OffloadHardware, offload_bytes, offload_seconds
 from .plan import GIB, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_for_run, plan_memory
 from .search import Candidate, Hardware, format_candidates, search_layouts, step_time
 
-__all__ = ["ActivationSpec", "Candidate", "GIB", "GradBytes", "Hardware", "MemoryPlan", "PlanSpec",
-           "SavedTensorMeter", "StagePlan", "StateBytes", "bucket_numels", "chunk_activation_bytes", "chunk_params",
-           "format_candidates", "format_plan", "format_rows", "grad_bytes", "in_flight_micro_batches", "layer_terms",
-           "model_state_bytes", "num_parameters", "plan_for_run", "plan_memory", "search_layouts", "step_time",
-           "tensor_bytes"]
+__all__ = ["ActivationSpec", "Candidate", "GIB", "GradBytes", "Hardware", "MemoryPlan", "OffloadBytes",
+           "OffloadHardware", "PlanSpec", "SavedTensorMeter", "StagePlan", "StateBytes", "bucket_numels",
+           "chunk_activation_bytes", "chunk_params", "format_candidates", "format_plan", "format_rows", "grad_bytes",
+           "in_flight_micro_batches", "layer_terms", "model_state_bytes", "num_parameters", "offload_bytes",
+           "offload_seconds", "plan_for_run", "plan_memory", "search_layouts", "step_time", "tensor_bytes"]

@@ -17,18 +17,32 @@ it ranks layouts rather than predicting wall time to the percent):
               + all-gathers (dp-1)/dp P w, twice with reshard-after-forward (forward, backward)
               (under pipelining kept units may be gathered once for several micro-batches: an
               upper bound); intra-node bandwidth when tp x dp fits in a node.
+            + offload (``offload.py``; ASSUMED bandwidths, no overlap): host<->device copies,
+              the CPU AdamW, the disk tier's reads and writes.
+
+With ``offload=True`` a layout that does not fit on the device is tried again with
+the optimizer state on the host or on disk (and under ZeRO 3 the parameter shards
+too); the fastest variant whose device, host and disk bytes fit is listed, marked
+``offload_only``. Host and disk budgets are per GPU.
 
 Defaults describe an H100 SXM node: 989 TFLOP/s bf16 dense at 45% efficiency,
-450 GB/s NVLink per direction, 50 GB/s (400 Gb/s InfiniBand) per GPU between nodes.
+450 GB/s NVLink per direction, 50 GB/s (400 Gb/s InfiniBand) per GPU between nodes;
+for offload a DGX H100's 2 TB of host memory over 8 GPUs (256 GiB each) and one 3.84 TB
+NVMe drive per GPU, with the bandwidths of ``OffloadHardware``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..config import ModelConfig
 from ..model.flops import flops_per_token
 from .params import bytes_per_param
-from .plan import GIB, MemoryPlan, PlanSpec, plan_memory
+from .offload import OffloadHardware, describe
+from .plan import GIB, MemoryPlan, PlanSpec, offload_label, plan_memory
+
+# (optimizer, params) placements a layout is retried with when it does not fit on the device
+OFFLOAD_VARIANTS = {False: (("cpu", "none"), ("disk", "none")),
+                    True: (("cpu", "none"), ("disk", "none"), ("cpu", "cpu"), ("disk", "cpu"), ("disk", "disk"))}
 
 
 @dataclass(frozen=True)
@@ -41,10 +55,19 @@ class Hardware:
     intra_node_bandwidth: float = 450e9
     inter_node_bandwidth: float = 50e9
     headroom: float = 0.1  # fraction of GPU memory kept free: CUDA context, allocator fragmentation
+    host_memory_gib: float = 256.0  # per GPU, for offload (DGX H100: 2 TB per node of 8)
+    disk_gib: float = 3576.0  # per GPU, for offload to disk (one 3.84 TB NVMe drive)
+    offload: OffloadHardware = field(default_factory=OffloadHardware)  # assumed offload bandwidths
 
     @property
     def usable_bytes(self) -> float:
         return self.gpu_memory_gib * GIB * (1 - self.headroom)
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        """Every stage within the device budget, and the offloaded state within host and disk."""
+        host = self.host_memory_gib * GIB * (1 - self.headroom)
+        return all(s.total_bytes <= self.usable_bytes and s.host_bytes <= host and s.disk_bytes <= self.disk_gib * GIB
+                   for s in plan.stages)
 
 
 def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
@@ -69,7 +92,7 @@ def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     dp_bytes = 2 * frac * params * g if spec.zero == 0 else frac * params * (g + w)
     if spec.zero == 3:
         dp_bytes = spec.num_micro_batches * frac * params * (g + w * (2 if spec.reshard_after_forward else 1))
-    return pipeline + dp_bytes / bw
+    return pipeline + dp_bytes / bw + plan.offload_seconds(hw.offload)
 
 
 @dataclass
@@ -77,6 +100,7 @@ class Candidate:
     spec: PlanSpec
     plan: MemoryPlan
     step_seconds: float
+    offload_only: bool = False  # fits only with its offload placement
 
     @property
     def peak_bytes(self) -> float:
@@ -93,8 +117,10 @@ def _tp_ok(cfg: ModelConfig, tp: int) -> bool:
 
 def search_layouts(base: PlanSpec, hw: Hardware, global_batch_size: int,
                    micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
-                   recomputes: tuple[str, ...] = ("none", "selective", "full")) -> list[Candidate]:
-    """Every layout of ``hw.gpus`` that fits, fastest first (tp inside a node, 1F1B when pp > 1)."""
+                   recomputes: tuple[str, ...] = ("none", "selective", "full"),
+                   offload: bool = False) -> list[Candidate]:
+    """Every layout of ``hw.gpus`` that fits, fastest first (tp inside a node, 1F1B when pp > 1);
+    with ``offload``, also those that fit only with offload (the fastest such placement each)."""
     cfg, found = base.model, []
     for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(cfg, d) and hw.gpus % d == 0):
         for pp in (d for d in _divisors(cfg.num_layers) if hw.gpus % (tp * d) == 0):
@@ -110,10 +136,25 @@ def search_layouts(base: PlanSpec, hw: Hardware, global_batch_size: int,
                         spec = replace(base, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mbs,
                                        num_micro_batches=m, sequence_parallel=tp > 1, recompute=rc,
                                        recompute_num_layers=None, schedule="1f1b", vp=1)
-                        plan = plan_memory(spec)
-                        if plan.peak.total_bytes <= hw.usable_bytes:
-                            found.append(Candidate(spec, plan, step_time(spec, plan, hw)))
+                        found += _fitting(spec, hw, offload)
     return sorted(found, key=lambda c: (c.step_seconds, c.peak_bytes))
+
+
+def _fitting(spec: PlanSpec, hw: Hardware, offload: bool) -> list[Candidate]:
+    """``spec`` as it is if it fits; else, with ``offload``, its fastest offload placement that fits."""
+    spec = replace(spec, offload_optimizer="none", offload_params="none")
+    plan = plan_memory(spec)
+    if hw.fits(plan):
+        return [Candidate(spec, plan, step_time(spec, plan, hw))]
+    if not offload:
+        return []
+    options = []
+    for opt, params in OFFLOAD_VARIANTS[spec.zero == 3]:
+        variant = replace(spec, offload_optimizer=opt, offload_params=params)
+        plan = plan_memory(variant)
+        if hw.fits(plan):
+            options.append(Candidate(variant, plan, step_time(variant, plan, hw), offload_only=True))
+    return [min(options, key=lambda c: (c.step_seconds, c.peak_bytes))] if options else []
 
 
 def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> str:
@@ -121,16 +162,29 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> st
     if not cands:
         return (f"no layout fits {hw.gpus} x {hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB "
                 f"per GPU); add GPUs, shorten --seq-length or lower --global-batch-size.")
+    offload = any(c.offload_only for c in cands[:top])  # columns of the offload placement, when one is listed
     tokens = cands[0].spec.model.seq_length * cands[0].spec.micro_batch_size * \
         cands[0].spec.num_micro_batches * cands[0].spec.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
              f"  {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
-             f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"]
+             f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"
+             + (f" {'offload':>14} {'host':>6} {'disk':>6} {'offl s':>6}" if offload else "")]
     for i, c in enumerate(cands[:top]):
         s, st = c.spec, c.plan.peak
         lines.append(f"{'*' if i == 0 else ' '} {s.tp:>3} {s.pp:>3} {s.dp:>4} {s.zero:>4} {s.micro_batch_size:>4} "
                      f"{s.num_micro_batches:>4} {s.recompute:>9} {st.model_state_bytes / GIB:7.1f} "
                      f"{st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} {c.step_seconds:7.2f} "
-                     f"{tokens / c.step_seconds / hw.gpus:9.0f}")
+                     f"{tokens / c.step_seconds / hw.gpus:9.0f}" + (_offload_cells(c, hw) if offload else ""))
+    if offload:
+        lines.append(f"offload: listed only when a layout does not fit on the device; host, disk: GiB per GPU; "
+                     f"'offl s' (in 'step s'): {describe(hw.offload)}")
     return "\n".join(lines)
+
+
+def _offload_cells(c: Candidate, hw: Hardware) -> str:
+    st = c.plan.peak
+    if not c.offload_only:
+        return f" {'-':>14} {'-':>6} {'-':>6} {'-':>6}"
+    return (f" {offload_label(c.spec):>14} {st.host_bytes / GIB:6.1f} {st.disk_bytes / GIB:6.1f} "
+            f"{c.plan.offload_seconds(hw.offload):6.2f}")

@@ -29,7 +29,9 @@ Parameter storage likewise:
   its own that the parameters stay views of; ``free_params`` resizes that
   storage to 0 bytes and ``materialize_params`` gives it its bytes back for an
   all-gather to fill. ``unit_of`` closes buckets at ZeRO-3 unit boundaries, so
-  a unit gathers whole buckets.
+  a unit gathers whole buckets. With ``--offload-params`` the shards live in a
+  ``param_store`` (``param_offload.py``: host memory or a file) instead of
+  ``param_shard_data``; a gather fetches them, the step writes them back.
 """
 from __future__ import annotations
 
@@ -149,7 +151,8 @@ class ParamGradBuffer:
 
     def __init__(self, params: list[nn.Parameter], *, bucket_size: int, num_shards: int, shard_rank: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, shard_grads: bool, device: torch.device,
-                 shard_params: bool = False, unit_of: dict[nn.Parameter, int] | None = None) -> None:
+                 shard_params: bool = False, unit_of: dict[nn.Parameter, int] | None = None,
+                 param_store: Callable | None = None) -> None:
         self.params = list(reversed(params))  # backward order
         self.num_shards, self.grad_dtype, self.shard_grads = num_shards, grad_dtype, shard_grads
         self.param_dtype, self.shard_params = param_dtype, shard_params
@@ -158,13 +161,18 @@ class ParamGradBuffer:
         self.device = device
         self.param_data: torch.Tensor | None = None  # every parameter (ZeRO 0/1/2)
         self.param_shard_data: torch.Tensor | None = None  # persistent parameter shards (ZeRO 3)
+        self.param_store = None  # ZeRO 3 + --offload-params: (numel, dtype, device) -> where the shards live
         if shard_params:
-            self.param_shard_data = torch.zeros(self.numel // num_shards, dtype=param_dtype, device=device)
+            if param_store is None:
+                self.param_shard_data = torch.zeros(self.numel // num_shards, dtype=param_dtype, device=device)
+            else:
+                self.param_store = param_store(self.numel // num_shards, param_dtype, device)
             for b in self.buckets:
                 b.param = torch.zeros(b.numel, dtype=param_dtype, device=device)
                 self._attach_params(b, b.param)
-                self.param_shard(b).copy_(b.param[b.shard_lo - b.offset: b.shard_hi - b.offset])
+                self.set_param_shard(b, b.param[b.shard_lo - b.offset: b.shard_hi - b.offset])
                 self.free_params(b)
+            self.flush_param_shards()
         else:
             self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
             for b in self.buckets:
@@ -228,9 +236,32 @@ class ParamGradBuffer:
     def param_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's parameter shard [shard_numel] of bucket ``b`` (what the optimizer step updates)."""
         if self.shard_params:
+            assert self.param_store is None, "offloaded shards: use read/fetch/set_param_shard"
             lo = b.offset // self.num_shards
             return self.param_shard_data[lo: lo + b.shard_numel]
         return self.param_data[b.shard_lo: b.shard_hi]
+
+    def read_param_shard(self, b: Bucket) -> torch.Tensor:
+        """Bucket ``b``'s parameter shard wherever it lives (offloaded to disk: a copy read back)."""
+        if self.param_store is None:
+            return self.param_shard(b)
+        return self.param_store.read(b.offset // self.num_shards, b.shard_numel)
+
+    def fetch_param_shard(self, b: Bucket):
+        """--offload-params: start bringing ``b``'s shard to the device; ``.result()`` is the tensor."""
+        return self.param_store.fetch(b.offset // self.num_shards, b.shard_numel)
+
+    def set_param_shard(self, b: Bucket, values: torch.Tensor) -> None:
+        """Store updated shard ``values`` (cast to the parameter dtype) where ``b``'s shard lives."""
+        if self.param_store is None:
+            self.param_shard(b).copy_(values)
+        else:
+            self.param_store.write(b.offset // self.num_shards, values)
+
+    def flush_param_shards(self) -> None:
+        """--offload-params disk: wait for the write-behind of updated shards (errors surface here)."""
+        if self.param_store is not None:
+            self.param_store.flush()
 
     def param_bucket(self, b: Bucket) -> torch.Tensor:
         """The full-size parameters [numel] of bucket ``b`` (ZeRO 3: materialized first)."""

@@ -71,7 +71,7 @@ class GradSyncEngine:
 
     def __init__(self, modules: list[nn.Module], pstate: ParallelState, *, zero: ZeroStage,
                  bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
-                 gathering: UnitGathering | None = None) -> None:
+                 gathering: UnitGathering | None = None, param_store: Callable | None = None) -> None:
         self.pstate, self.zero = pstate, zero
         self.sharded = zero.shards_optimizer_state  # each DP rank reduces into and updates its own shard
         assert zero.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
@@ -86,7 +86,7 @@ class GradSyncEngine:
                 params, bucket_size=bucket_size, num_shards=pstate.dp if self.sharded else 1,
                 shard_rank=pstate.dp_rank if self.sharded else 0, param_dtype=dtypes.pop(),
                 grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device,
-                shard_params=zero.shards_parameters, unit_of=unit_of))
+                shard_params=zero.shards_parameters, unit_of=unit_of, param_store=param_store))
         self._sync = True
         self._drain_queued = False  # ZeRO 3: an end-of-backward callback will retire the reductions
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None]] = []

@@ -221,13 +221,18 @@ class DiskStore:
         """Remove this rank's file (and its folder when empty); the user's --offload-path stays."""
         self.io.shutdown(wait=True)
         if self.fd >= 0:
-            os.close(self.fd)
+            close_rank_file(self.fd, self.path, self.dir)
             self.fd = -1
-            os.remove(self.path)
-            try:
-                os.rmdir(self.dir)
-            except OSError:
-                pass  # something else lives there
+
+
+def close_rank_file(fd: int, path: str, folder: str) -> None:
+    """Close and remove a rank's working file, and its folder once empty (the user's --offload-path stays)."""
+    os.close(fd)
+    os.remove(path)
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass  # another tier's file still lives there
 
 
 def _host_empty(numel: int) -> torch.Tensor:

@@ -81,6 +81,8 @@ class Unit:
     keep_until_backward: bool
     gathered: bool = False
     works: list = field(default_factory=list)  # all-gathers issued, not yet waited for
+    fetches: list = field(default_factory=list)  # --offload-params: (buf, bucket, shard fetch) not yet gathered
+    sources: list = field(default_factory=list)  # fetched shards the issued all-gathers read from
     pending_backward: int = 0  # micro-batches past this unit's forward, not yet past its backward
     grads_arrived: int = 0  # parameter gradients accumulated in the current backward
 
@@ -119,19 +121,41 @@ class ParameterUnits:
         """
         if not unit.gathered:
             unit.gathered = True
+            deferred = False
             for buf, b in unit.buckets:
-                unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
-                                                           self.pstate.dp_group, async_op=True, phase=phase))
+                if buf.param_store is None:
+                    unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
+                                                               self.pstate.dp_group, async_op=True, phase=phase))
+                else:  # offloaded: the shard comes to the device first (disk: a read overlapping compute)
+                    unit.fetches.append((buf, b, buf.fetch_param_shard(b)))
+                    deferred = deferred or buf.param_store.deferred
+            if not deferred:
+                self._gather_fetched(unit, phase)
         if wait:
+            self._gather_fetched(unit, phase)
             for work in unit.works:
                 work.wait()
             unit.works.clear()
+            unit.sources.clear()
+
+    def _gather_fetched(self, unit: Unit, phase: str) -> None:
+        """Issue the all-gathers of ``unit``'s fetched shards, each once its fetch has completed."""
+        for buf, b, fetch in unit.fetches:
+            shard = fetch.result()
+            unit.sources.append(shard)
+            unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), shard, self.pstate.dp_group,
+                                                       async_op=True, phase=phase))
+        unit.fetches.clear()
 
     def free(self, unit: Unit) -> None:
         if unit.gathered:
+            for _, _, fetch in unit.fetches:  # prefetched, never used: the read completes, no all-gather
+                fetch.result()
+            unit.fetches.clear()
             for work in unit.works:  # never free storage an all-gather is still writing
                 work.wait()
             unit.works.clear()
+            unit.sources.clear()
             for buf, b in unit.buckets:
                 buf.free_params(b)
             unit.gathered = False

@@ -32,6 +32,7 @@ from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
 from .offload import OffloadError, build_store
+from .param_offload import param_shard_factory
 from .scaler import DynamicLossScaler
 
 
@@ -48,9 +49,10 @@ class DistributedOptimizer:
             gathering = UnitGathering()
         self.sync = GradSyncEngine(modules, pstate, zero=self.zero, bucket_size=bucket_size,
                                    main_grads_dtype=main_grads_dtype, overlap_param_gather=overlap_param_gather,
-                                   gathering=gathering)
+                                   gathering=gathering, param_store=param_shard_factory(
+                                       placement.parameters, placement.offload_path, pstate.rank))
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
-        self.store = _agreed_store([[buf.param_shard(b) for b in buf.buckets] for buf in self.buffers],
+        self.store = _agreed_store([[buf.read_param_shard(b) for b in buf.buckets] for buf in self.buffers],
                                    placement, pstate)
         self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
@@ -139,7 +141,9 @@ class DistributedOptimizer:
                 g.mul_(coef)
             adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, flat_runs[i], hyper, self.step_count)
             if self.store.separate_master:
-                buf.param_shard(b).copy_(master)
+                buf.set_param_shard(b, master)
+        for buf in self.buffers:
+            buf.flush_param_shards()
         self.sync.gather_params()
         return StepResult(grad_norm=norm, loss_scale=scale)
 
@@ -192,8 +196,11 @@ class DistributedOptimizer:
         return self.store.placement == Placement.DISK
 
     def close(self) -> None:
-        """Release the offload store (the disk tier removes this rank's file)."""
+        """Release the offload stores (the disk tier removes this rank's files)."""
         self.store.close()
+        for buf in self.buffers:
+            if buf.param_store is not None:
+                buf.param_store.close()
 
     def state_scalars(self) -> dict[str, Any]:
         return {"step": self.step_count, "scaler": None if self.scaler is None else self.scaler.state_dict()}
@@ -209,7 +216,9 @@ class DistributedOptimizer:
         if self.store.separate_master:
             for i, (master, _, _) in self.store.sweep():
                 buf, b = self.bucket_list[i]
-                buf.param_shard(b).copy_(master)
+                buf.set_param_shard(b, master)
+            for buf in self.buffers:
+                buf.flush_param_shards()
         self.sync.gather_params()
         self.sync.wait_param_gather()
 

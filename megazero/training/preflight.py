@@ -29,7 +29,7 @@ def output_paths(cfg: Config) -> list[tuple[str, str]]:
         out.append(("--timeline", os.path.dirname(os.path.abspath(rank_path(lg.timeline, 0)))))
     if lg.wandb_project and lg.wandb_dir:
         out.append(("--wandb-dir", lg.wandb_dir))
-    if cfg.parallel.offload_optimizer == "disk" and cfg.parallel.offload_path:
+    if cfg.parallel.offload_path:  # given only with --offload-optimizer or --offload-params disk
         out.append(("--offload-path", cfg.parallel.offload_path))
     return out
 

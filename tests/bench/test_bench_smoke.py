@@ -92,3 +92,24 @@ def test_zero3_entries_and_verdict():
     assert lines[1] == "- megazero zero 3 reshard=True vs DeepSpeed ZeRO-3: peer not installed (deepspeed)", lines
     text = "\n".join(z3.table(results))
     assert "| megazero zero 3 reshard=True | 90 | 90 | 0.00 | 0.00 | 0.00 | 0.00 | 0.0e+00 |" in text, text
+
+
+def test_offload_bench_sampler_and_table():
+    """bench_offload's RSS sampler sees a touched allocation; its table's drop is against the in-memory row."""
+    import time
+
+    from bench.bench_offload import RssSampler, table
+
+    sampler = RssSampler()
+    sampler.armed = True
+    time.sleep(0.05)
+    base = sampler.peak
+    block = torch.ones(64 << 20)  # 256 MiB, every page touched
+    time.sleep(0.05)
+    sampler.close()
+    assert sampler.peak - base >= 200 << 20, (base, sampler.peak)
+    del block
+    row = dict(step_s=1.0, cpu_s_per_step=1.0, losses=[2.0], vm_hwm=5e9)
+    text = table([{"row": "none", **row, "peak_step_rss": 3e9, "optimizer_bytes": 1e9},
+                  {"row": "disk", **row, "peak_step_rss": 2.1e9}, {"row": "deepspeed-cpu", "error": "no op"}])
+    assert "| 0.90 | 90% |" in text and "failed: no op" in text

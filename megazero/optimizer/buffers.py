@@ -174,9 +174,12 @@ class ParamGradBuffer:
                 self.free_params(b)
             self.flush_param_shards()
         else:
-            self.param_data = torch.zeros(self.numel, dtype=param_dtype, device=device)
+            # empty, not zeros: each page is first touched by the copy of a parameter whose own storage is
+            # then freed, so building the buffer never holds two full copies of the model (only padding is zeroed)
+            self.param_data = torch.empty(self.numel, dtype=param_dtype, device=device)
             for b in self.buckets:
                 self._attach_params(b, self.param_data[b.offset: b.offset + b.numel])
+                self.param_data[b.offset + sum(p.numel() for p in b.params): b.offset + b.numel].zero_()
         self.grad_data: torch.Tensor | None = None  # full main-grad buffer (ZeRO 0/1)
         self.grad_shard_data: torch.Tensor | None = None  # persistent grad shards (ZeRO 2/3)
         if shard_grads:

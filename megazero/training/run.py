@@ -139,8 +139,6 @@ def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Calla
     """Validate (before any process group, so bad input fails alike on every rank), then build the groups."""
     plan = validate(cfg, world_size_from_env())
     device = default_device(cfg.training.device)
-    if device.type == "cpu":
-        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     init_distributed(device, timeout)
     check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
@@ -169,6 +167,8 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
         ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
     optimizer = build_optimizer(cfg, plan, chunks, pstate)
+    if pstate.device.type == "cpu":  # after the build, whose freed copies of the model go back to the kernel
+        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
     start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None

@@ -31,7 +31,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
-from bench.run import DP_PEERS, DS, MZ, Entry, launch, loss_error, mib, run_group  # noqa: E402
+from bench.run import DP_PEERS, DS, MZ, Entry, launch, mib, pair_checks, run_group  # noqa: E402
 
 DS_SCRIPT = "bench/peers/deepspeed_zero.py"
 MB4 = ", 4 micro-batches"
@@ -108,23 +108,9 @@ def entries() -> list[Entry]:
 
 def compare(results: dict[str, dict], reference: list[float]) -> list[dict]:
     """Per (megazero row, peer): tokens/s ratios, and whether model state and bytes are no higher."""
-    for r in results.values():
-        if r.get("status") == "ok":
-            r["loss_rel_err"] = loss_error(r["losses"], reference)
-    checks = []
-    for name, r in results.items():
-        if r.get("status") != "ok" or not r["megazero"]:
-            continue
-        for peer in r["peer_of"]:
-            p = results.get(peer, {})
-            if p.get("status") != "ok":
-                checks.append({"megazero": name, "peer": peer, "status": p.get("status", "missing")})
-                continue
-            checks.append({"megazero": name, "peer": peer, "ratio": r["tokens_per_s"] / p["tokens_per_s"],
-                           "cpu_ratio": r["tokens_per_cpu_s"] / p["tokens_per_cpu_s"],
-                           "state_ok": r["model_state_bytes"] <= p["model_state_bytes"],
-                           "bytes_ok": r["comm_bytes_per_step"] <= p["comm_bytes_per_step"]})
-    return checks
+    return pair_checks(results, reference, lambda name, r, peer, p: {
+        "state_ok": r["model_state_bytes"] <= p["model_state_bytes"],
+        "bytes_ok": r["comm_bytes_per_step"] <= p["comm_bytes_per_step"]})
 
 
 def verdict(checks: list[dict]) -> list[str]:

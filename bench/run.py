@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -172,12 +173,13 @@ def loss_error(losses: list[float], reference: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n]))
 
 
-def compare(results: dict[str, dict], reference: list[float]) -> list[dict]:
-    """Per (megazero row, peer): speed ratio, state and bytes checks; per row: loss agreement."""
-    checks = []
-    for name, r in results.items():
+def pair_checks(results: dict[str, dict], reference: list[float],
+                extra: Callable[[str, dict, str, dict], dict]) -> list[dict]:
+    """Per (megazero row, peer): tokens/s ratios plus ``extra``'s checks; per row: loss agreement."""
+    for r in results.values():
         if r.get("status") == "ok":
             r["loss_rel_err"] = loss_error(r["losses"], reference)
+    checks = []
     for name, r in results.items():
         if r.get("status") != "ok" or not r["megazero"]:
             continue
@@ -186,15 +188,24 @@ def compare(results: dict[str, dict], reference: list[float]) -> list[dict]:
             if p.get("status") != "ok":
                 checks.append({"megazero": name, "peer": peer, "status": p.get("status", "missing")})
                 continue
-            check = {"megazero": name, "peer": peer, "ratio": r["tokens_per_s"] / p["tokens_per_s"],
-                     "cpu_ratio": r["tokens_per_cpu_s"] / p["tokens_per_cpu_s"]}
-            if ZERO_STAGE.get(peer) == ZERO_STAGE.get(name):
-                check["state_ok"] = r["model_state_bytes"] <= p["model_state_bytes"]
-            if peer == "torch DDP":
-                check["bytes_ok"] = r["comm_bytes_per_step"] <= p["comm_bytes_per_step"]
-                check["grad_param_bytes_ok"] = grad_param_bytes(r) <= p["comm_bytes_per_step"]
-            checks.append(check)
+            checks.append({"megazero": name, "peer": peer, "ratio": r["tokens_per_s"] / p["tokens_per_s"],
+                           "cpu_ratio": r["tokens_per_cpu_s"] / p["tokens_per_cpu_s"], **extra(name, r, peer, p)})
     return checks
+
+
+def compare(results: dict[str, dict], reference: list[float]) -> list[dict]:
+    """Per (megazero row, peer): speed ratio, state and bytes checks; per row: loss agreement."""
+
+    def extra(name: str, r: dict, peer: str, p: dict) -> dict:
+        check = {}
+        if ZERO_STAGE.get(peer) == ZERO_STAGE.get(name):
+            check["state_ok"] = r["model_state_bytes"] <= p["model_state_bytes"]
+        if peer == "torch DDP":
+            check["bytes_ok"] = r["comm_bytes_per_step"] <= p["comm_bytes_per_step"]
+            check["grad_param_bytes_ok"] = grad_param_bytes(r) <= p["comm_bytes_per_step"]
+        return check
+
+    return pair_checks(results, reference, extra)
 
 
 def grad_param_bytes(r: dict) -> float:

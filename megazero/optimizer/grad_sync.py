@@ -152,8 +152,8 @@ class GradSyncEngine:
             assert not b.launched or self.zero.shards_parameters, (
                 "a gradient reached a bucket already communicated this step; the schedule must run every "
                 "backward but a chunk's last one inside optimizer.no_sync()")
-            if self.zero.shards_parameters and b.ready == 0 and b.grad is not None:
-                self._retire_bucket(b)  # its previous micro-batch's reduce-scatter still reads b.grad
+            assert not (self.zero.shards_parameters and b.ready == 0 and b.grad is not None), (
+                "ZeRO 3: a bucket's reduce-scatter from the last backward is still in flight (_drain retires them)")
             buf.bucket_grad(b)  # ZeRO 2/3: allocate the transient bucket gradient on first use
             p.main_grad.add_(p.grad)
             p.grad = None
@@ -197,14 +197,6 @@ class GradSyncEngine:
         bucket gradient lives on into the next forward or the step (FSDP2 does the same)."""
         self._drain_queued = False
         self._reap(block=True)
-
-    def _retire_bucket(self, b: Bucket) -> None:
-        """ZeRO 3: finish ``b``'s in-flight reduce-scatter before the next micro-batch's gradient reaches
-        it, so that gradient starts from zeros instead of adding into the tensor being reduced."""
-        for i, entry in enumerate(self._inflight):
-            if entry[1] is b:
-                self._retire(*self._inflight.pop(i))
-                return
 
     def _reap(self, block: bool) -> None:
         """Retire finished reductions; ZeRO 2 frees their full-size bucket gradients."""

@@ -14,6 +14,7 @@ initialisation does not depend on the split.
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..config import Config, ConfigError
@@ -21,7 +22,7 @@ from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
-from ..tensor_parallel.layers import initialize_parameters, spec_of
+from ..tensor_parallel.layers import initialize_parameters, materialize, spec_of
 from ..tensor_parallel.random import DropoutRNG
 
 
@@ -38,6 +39,9 @@ def chunk_layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[list[range
 def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
     """This rank's ``plan.virtual_stages`` model chunks, initialised as slices of the seeded full model.
 
+    Built on the meta device, then given storage in ``plan.compute_dtype`` on the run's device and
+    initialised (drawn in fp32, cast), so start-up allocates and draws this rank's parameters only.
+
     With tied embeddings split over stages, both copies of the word embedding are
     marked so the optimizer sums their gradients over the embedding group: the
     last stage's copy has ``ParamSpec.tied_role`` "embedding_copy" (GPTModel marks
@@ -49,11 +53,13 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.M
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []
     for c, layer_ids in enumerate(ranges):
-        model = GPTModel(cfg.model, ctx, layer_ids=layer_ids,
-                         pre_process=pstate.is_first_stage and c == 0,
-                         post_process=pstate.is_last_stage and c == vp - 1)
+        with torch.device("meta"):  # shapes only: no default initialiser runs, nothing is allocated
+            model = GPTModel(cfg.model, ctx, layer_ids=layer_ids,
+                             pre_process=pstate.is_first_stage and c == 0,
+                             post_process=pstate.is_last_stage and c == vp - 1)
         if model.pre_process and pstate.pp > 1 and cfg.model.tied_embeddings:
             spec_of(model.embedding.word.weight).tied_role = "embedding"
+        materialize(model, pstate.device, plan.compute_dtype)
         initialize_parameters(model, cfg.training.seed, pstate.tp_group)
-        chunks.append(model.to(pstate.device))
+        chunks.append(model)
     return chunks

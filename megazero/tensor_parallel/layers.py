@@ -1,18 +1,20 @@
 """Column/row-parallel linear layers and the vocab-parallel embedding.
 
 Every parameter carries a ``ParamSpec`` saying how it is split over TP ranks
-and how to initialise the *full* tensor. ``initialize_parameters`` draws the
-full tensor from a generator seeded by (seed, parameter name) and keeps this
-rank's slice, so any TP size - and any pipeline split, since names hold the
-global layer index - reproduces the serial model bit for bit.
+and how to initialise the *full* tensor. The full tensor is cut along its
+split dim into ``INIT_BLOCK``-wide blocks, each drawn from its own generator
+seeded by (seed, parameter name, block index); ``initialize_parameters``
+draws only the blocks this rank's slice overlaps, so start-up costs a rank
+its own parameters, while any TP size - and any pipeline split, since names
+hold the global layer index - reproduces the serial model bit for bit.
 
 Shapes: activations are ``[s, b, h]`` (sequence first), so sequence
 parallelism shards the contiguous dim 0.
 """
 from __future__ import annotations
 
+import hashlib
 import math
-import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,23 +78,67 @@ def full_shape(param: torch.Tensor, tp: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
+INIT_BLOCK = 128  # rows (or columns) of the full tensor per seeded block, along the TP split dim
+
+
+def block_seed(seed: int, name: str, block: int) -> int:
+    """The generator seed of one block: a hash of (seed, name, block), so blocks are independent streams."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+@torch.no_grad()
+def fill_normal_slice(out: torch.Tensor, *, seed: int, name: str, std: float, dim: int, start: int) -> None:
+    """Write rows (along ``dim``) [start, start + out.shape[dim]) of the seeded normal(0, std) full tensor.
+
+    Every block is drawn full-width in fp32, even where the tensor ends mid-block, so a value depends
+    on (seed, name, its index) only - not on the TP size, nor on the full length (the padded
+    vocabulary grows with tp). Only blocks overlapping the slice are drawn, one at a time, and cast
+    into ``out`` (on any device): O(out.numel()) work and one block of scratch memory.
+    """
+    stop = start + out.shape[dim]
+    shape = list(out.shape)
+    shape[dim] = INIT_BLOCK
+    for block in range(start // INIT_BLOCK, -(-stop // INIT_BLOCK)):
+        lo, hi = max(start, block * INIT_BLOCK), min(stop, (block + 1) * INIT_BLOCK)
+        generator = torch.Generator().manual_seed(block_seed(seed, name, block))
+        drawn = torch.randn(shape, generator=generator, dtype=torch.float32).mul_(std)
+        out.narrow(dim, lo - start, hi - lo).copy_(drawn.narrow(dim, lo - block * INIT_BLOCK, hi - lo))
+
+
 @torch.no_grad()
 def initialize_parameters(module: nn.Module, seed: int, tp_group) -> None:
-    """Fill every parameter with this rank's slice of the full tensor that ``seed`` makes."""
-    tp, rank = group_size(tp_group), group_rank(tp_group)
+    """Fill every parameter with this rank's slice of the full tensor that ``seed`` makes, drawing only that slice.
+
+    A replicated parameter is its whole tensor, blocked along dim 0. Rows past ``valid_rows`` (global
+    row index, dim 0) are zeroed.
+    """
+    rank = group_rank(tp_group)
     for name, param in module.named_parameters():
         spec = spec_of(param)
-        shape = full_shape(param, tp)
         if spec.init_std is None:
             param.fill_(spec.init_value)
             continue
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        full = torch.randn(shape, generator=generator, dtype=torch.float32) * spec.init_std
+        dim = 0 if spec.split_dim is None else spec.split_dim
+        start = 0 if spec.split_dim is None else rank * param.shape[dim]
+        fill_normal_slice(param, seed=seed, name=name, std=spec.init_std, dim=dim, start=start)
         if spec.valid_rows is not None:
-            full[spec.valid_rows:] = 0
-        if spec.split_dim is not None:
-            full = full.chunk(tp, dim=spec.split_dim)[rank]
-        param.copy_(full)
+            first_row = start if dim == 0 else 0
+            param[max(0, spec.valid_rows - first_row):].zero_()
+
+
+def materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:
+    """Give a module built on the meta device uninitialised storage on ``device`` in ``dtype``.
+
+    Building on meta means no default initialiser runs and nothing full-size is allocated; the
+    caller then runs ``initialize_parameters``. ``to_empty`` makes new Parameter objects, which
+    drops the ``spec`` attribute, so specs are carried across by name.
+    """
+    specs = {name: p.spec for name, p in module.named_parameters() if hasattr(p, "spec")}
+    module.to(dtype=dtype).to_empty(device=device)
+    for name, param in module.named_parameters():
+        if name in specs:
+            param.spec = specs[name]
 
 
 def _parameter(shape: tuple[int, ...], device, dtype, **spec) -> nn.Parameter:

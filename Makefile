@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 4
 STAMP  := $(VENV)/.megazero-installed
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,22 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/run.py
+
+# The CUDA-marked tests (tests/cuda) and bench/gpu_mfu.py, run by the first of the venv's python and python3
+# whose torch sees a GPU (a GPU machine's own torch is often the system one). Without one it says so and
+# exits 0. README "GPU" says what it checks.
+CUDA_PROBE := import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
+
+gpu-check:
+	@py=""; for c in $(PY) python3; do \
+		if command -v $$c >/dev/null 2>&1 && $$c -c "$(CUDA_PROBE)" 2>/dev/null; then py=$$c; break; fi; \
+	done; \
+	if [ -z "$$py" ]; then \
+		echo "gpu-check: skipped: no CUDA GPU visible to $(PY) or python3 (torch.cuda.is_available() is False)"; \
+		exit 0; \
+	fi; \
+	echo "gpu-check: $$py, $$($$py -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))')"; \
+	PYTHONPATH=. $$py -m pytest tests/cuda -m cuda -v -rs && PYTHONPATH=. $$py bench/gpu_mfu.py
 
 clean:
 	rm -rf $(VENV) runs

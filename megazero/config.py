@@ -45,6 +45,7 @@ class ParallelConfig:
                                       "them again for its backward (3x parameter traffic); --no-reshard-after-"
                                       "forward keeps them from forward to backward (2x, more memory).")
     sequence_parallel: bool = opt(False, "Shard LayerNorm/dropout regions along the sequence across TP ranks.")
+    allow_tp_across_nodes: bool = opt(False, "Accept TP groups that span nodes (all-reduces cross the network).")
     pipeline_schedule: str | None = opt(None, "Pipeline schedule; None = 1f1b, or interleaved when virtual "
                                         "stages are given ('interleaved' needs them).",
                                         choices=("gpipe", "1f1b", "interleaved"))
@@ -268,6 +269,7 @@ class TrainingConfig:
     global_batch_size: int = opt(16, "Samples per optimizer step over all data-parallel ranks.")
     train_iters: int = opt(100, "Optimizer steps to run.")
     seed: int = opt(1234, "Seed for weights, data order and dropout.")
+    deterministic: bool = opt(False, "Deterministic kernels only (slower on GPU): what bitwise resume on CUDA needs.")
     device: str = opt("auto", "cpu, cuda, or auto (cuda when available).", choices=("auto", "cpu", "cuda"))
     bf16: bool = opt(False, "bf16 compute weights with fp32 master weights.")
     fp16: bool = opt(False, "fp16 compute weights with fp32 master weights and dynamic loss scaling.")

@@ -181,6 +181,27 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOp
     optimizer.sync_params_from_master()
 
 
+def holds_checkpoint(path: str) -> bool:
+    """Whether ``--load PATH`` names something to load: a checkpoint folder, or a folder with ``latest``.
+
+    A ``latest`` that names an incomplete folder still counts, so ``storage.resolve`` reports it.
+    """
+    return any(os.path.isfile(os.path.join(path, name)) for name in (storage.METADATA, storage.LATEST))
+
+
+def starts_fresh(load: str | None, save: str | None) -> bool:
+    """Whether a run given ``--load`` starts from scratch: the restart idiom's first start.
+
+    ``--load D --save D`` is one command line for the first start and every restart of a job
+    (torchrun --max-restarts, a requeued Slurm job): until the first save D holds no checkpoint,
+    and the run starts fresh, as Megatron does. A --load elsewhere that holds nothing stays an
+    error (``storage.resolve``), so a typo cannot silently restart training from iteration 0.
+    """
+    if not load or not save or os.path.realpath(load) != os.path.realpath(save):
+        return False
+    return not holds_checkpoint(load)
+
+
 def same_layout(meta: dict[str, Any], plan: RunPlan) -> bool:
     """Whether the checkpoint was saved in this run's layout (then its RNG states resume exactly)."""
     return meta["layout"] == plan.layout_record()

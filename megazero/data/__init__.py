@@ -18,12 +18,13 @@ from .blend import BlendedDataset, blend_counts, parse_data_path
 from .corpus import CorpusPaths, default_corpus
 from .gpt_dataset import GPTDataset, epochs_needed, split_documents
 from .indexed import IndexedDataset
-from .sampler import MicroBatchIterator
+from .sampler import MicroBatchIterator, to_device
 from .tokenizer import Tokenizer
 
 __all__ = [
     "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset",
     "MicroBatchIterator", "Tokenizer", "build_data", "check_vocabulary", "default_corpus", "parse_data_path",
+    "to_device",
 ]
 
 

@@ -23,6 +23,20 @@ def rank_indices(consumed: int, global_batch_size: int, dp_rank: int, dp_size: i
     return range(start, start + per_rank)
 
 
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch on ``device``: on CUDA through pinned host memory with a non-blocking copy.
+
+    A copy from pageable memory is staged by the driver and blocks the host until it is done;
+    from pinned memory it is one DMA the host does not wait for, so the next micro-batch is
+    stacked while this one crosses the bus, and the copy is ordered before the kernels that read
+    it on the same stream. PyTorch's pinned-memory allocator keeps the host buffer alive until
+    the copy has run. On CPU the batch is returned as it is.
+    """
+    if device.type != "cuda":
+        return batch
+    return batch.pin_memory().to(device, non_blocking=True)
+
+
 class MicroBatchIterator:
     """One DP rank's micro-batches, step by step, resumable by ``consumed_samples``.
 

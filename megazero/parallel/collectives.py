@@ -28,19 +28,21 @@ and the ``wait()`` for asynchronous ones (time a collective spends overlapped
 with compute is not blocked time, and is not counted). On CPU that is host
 time (perf_counter). On CUDA a NCCL call returns once it is enqueued, so host
 time would measure nothing: there two CUDA events on the current stream time
-how long the compute stream stalls for the collective, read at ``take``.
+how long the compute stream stalls for the collective (``timer.DeviceTimer``
+does both), read at ``take_wait_seconds``.
 """
 from __future__ import annotations
 
 import contextlib
 import pickle
-import time
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+
+from .timer import DeviceTimer
 
 Group = Optional[dist.ProcessGroup]  # None: a group of one rank, nothing to do
 
@@ -54,7 +56,7 @@ class CommLedger:
         self.wait_s: dict[str, float] = defaultdict(float)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
-        self.pending: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []  # CUDA spans not read yet
+        self.pending: list[tuple[str, DeviceTimer]] = []  # spans not read yet
 
     def name_group(self, group: Group, name: str) -> None:
         """Charge ``group``'s collectives to this ledger under axis ``name``."""
@@ -77,27 +79,16 @@ class CommLedger:
     @contextlib.contextmanager
     def blocked(self, axis: str, device: torch.device) -> Iterator[None]:
         """Charge the time spent inside the block to ``axis`` (device time on CUDA, see above)."""
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            try:
-                yield
-            finally:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self.pending.append((axis, start, end))
-            return
-        begin = time.perf_counter()
+        timer = DeviceTimer(device).start()
         try:
             yield
         finally:
-            self.wait_s[axis] += time.perf_counter() - begin
+            self.pending.append((axis, timer.stop()))  # read at take_wait_seconds: no sync per collective
 
     def take_wait_seconds(self) -> dict[str, float]:
         """Seconds blocked in collectives per axis since the last call; resets them."""
-        for axis, start, end in self.pending:  # waits for those events: at most once per logged step
-            end.synchronize()
-            self.wait_s[axis] += start.elapsed_time(end) / 1000
+        for axis, timer in self.pending:  # on CUDA waits for those events: at most once per logged step
+            self.wait_s[axis] += timer.seconds()
         self.pending.clear()
         out = dict(sorted(self.wait_s.items()))
         self.wait_s.clear()

@@ -68,3 +68,77 @@ class Layout:
 
     def __str__(self) -> str:
         return f"tp={self.tp} pp={self.pp} dp={self.dp} (world {self.world_size})"
+
+
+# -- nodes: where the grid's groups land ------------------------------------------------------------
+# torchrun gives each node (agent) LOCAL_WORLD_SIZE ranks and numbers them contiguously: the agent
+# with GROUP_RANK g runs the ranks after those of agents 0..g-1 (torch.distributed.elastic's
+# _assign_worker_ranks, for the static and the c10d rendezvous alike; c10d picks g itself, ignoring
+# --node_rank). With the same --nproc_per_node everywhere, rank r runs on node r // ranks_per_node.
+
+
+def contiguous_nodes(world_size: int, ranks_per_node: int) -> list[int]:
+    """The node of each rank under torchrun's assignment (what every rank can know before any collective)."""
+    assert ranks_per_node >= 1, ranks_per_node
+    return [rank // ranks_per_node for rank in range(world_size)]
+
+
+def check_tp_inside_nodes(layout: Layout, node_of_rank: list[int], allow_across: bool = False) -> None:
+    """Refuse a layout whose TP group would span nodes (its all-reduces, twice per layer, would cross the network).
+
+    Raises ConfigError naming --tp, the ranks per node and --allow-tp-across-nodes; ``allow_across``
+    (that flag) accepts the layout.
+    """
+    if allow_across:
+        return
+    crossing = [g for g in layout.tp_groups() if len({node_of_rank[r] for r in g}) > 1]
+    if not crossing:
+        return
+    per_node = [node_of_rank.count(n) for n in sorted(set(node_of_rank))]
+    ranks = str(per_node[0]) if len(set(per_node)) == 1 else "/".join(map(str, per_node))
+    raise ConfigError(
+        f"--tp {layout.tp} puts TP group {crossing[0]} on nodes {sorted({node_of_rank[r] for r in crossing[0]})}, "
+        f"but TP groups must stay inside a node ({ranks} ranks per node, LOCAL_WORLD_SIZE): use a --tp that "
+        f"divides the ranks per node, or pass --allow-tp-across-nodes to accept the slower layout.")
+
+
+def _node_span(name: str, groups: list[list[int]], node_of_rank: list[int]) -> str:
+    """'tp groups inside one node' / 'dp groups across 2 nodes' (a range when groups differ)."""
+    counts = sorted({len({node_of_rank[r] for r in g}) for g in groups})
+    if counts == [1]:
+        return f"{name} groups inside one node"
+    return f"{name} groups across {_span(counts[0], counts[-1])} nodes"
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _stage_nodes(layout: Layout, node_of_rank: list[int]) -> str:
+    """Which nodes hold each pipeline stage; the first two and the last when there are many stages."""
+    spans = []
+    for p in range(layout.pp):
+        nodes = {node_of_rank[layout.rank(t, d, p)] for t in range(layout.tp) for d in range(layout.dp)}
+        spans.append(f"{p} on node{'s' if len(nodes) > 1 else ''} {_span(min(nodes), max(nodes))}")
+    shown = spans if len(spans) <= 4 else [*spans[:2], "...", spans[-1]]
+    return "pp stage " + ", ".join(shown)
+
+
+def describe_nodes(layout: Layout, node_of_rank: list[int]) -> str:
+    """One line, however many ranks: the nodes, whether each kind of group stays inside one, the stages' nodes.
+
+    e.g. ``2 nodes x 2 ranks (node n: ranks 2n..2n+1); tp groups inside one node; dp groups across 2 nodes;
+    pp groups inside one node; pp stage 0 on nodes 0-1``.
+    """
+    nodes = sorted(set(node_of_rank))
+    per_node = [node_of_rank.count(n) for n in nodes]
+    if len(set(per_node)) == 1 and node_of_rank == contiguous_nodes(layout.world_size, per_node[0]):
+        k = per_node[0]
+        where = f"{len(nodes)} node{'s' if len(nodes) > 1 else ''} x {k} ranks"
+        where += f" (node n: ranks {k}n..{k}n+{k - 1})" if len(nodes) > 1 and k > 1 else ""
+    else:  # uneven nodes, or ranks not numbered node by node: each node's rank count
+        where = f"{len(nodes)} nodes of {'/'.join(map(str, per_node))} ranks"
+        where += "" if node_of_rank == sorted(node_of_rank) else ", ranks not numbered node by node"
+    parts = [where] + [_node_span(name, groups, node_of_rank) for name, groups in
+                       (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()))]
+    return "; ".join(parts + [_stage_nodes(layout, node_of_rank)])

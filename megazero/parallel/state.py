@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .collectives import CommLedger, Group
+from .collectives import CommLedger, Group, all_gather_object
 from .layout import Coords, Layout
 
 
@@ -160,3 +160,17 @@ def _free_port() -> int:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def ranks_per_node_from_env() -> int:
+    """torchrun's LOCAL_WORLD_SIZE (ranks on this node); without torchrun, every rank shares one node."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size_from_env()))
+
+
+def gather_nodes(pstate: ParallelState) -> list[int]:
+    """Each rank's node as torchrun numbered it (GROUP_RANK), in rank order: the truth behind the arithmetic.
+
+    One small all-gather over the world at start-up; without torchrun, rank // ranks per node.
+    """
+    mine = int(os.environ.get("GROUP_RANK", pstate.rank // ranks_per_node_from_env()))
+    return [int(node) for node in all_gather_object(mine, pstate.world_group)]

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from ..data.sampler import to_device
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..pipeline.p2p import StageLink
@@ -66,7 +67,7 @@ def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: Parallel
     try:
         for _ in range(eval_iters):
             for tokens in batches.next_step():
-                loss = forward_only(chunks, tokens.to(pstate.device), pstate, stage_shape, dtype)
+                loss = forward_only(chunks, to_device(tokens, pstate.device), pstate, stage_shape, dtype)
                 if loss is not None:
                     losses.append(loss.float())
     finally:

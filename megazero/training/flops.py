@@ -9,7 +9,9 @@ import torch
 
 
 # Dense bf16 peak TFLOP/s by device name fragment (vendor datasheets, without sparsity).
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "V100": 125.0}
+# First match wins, so "L40S" comes before "L4".
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10G": 125.0,
+                    "V100": 125.0}
 
 
 def device_peak_tflops(device: torch.device) -> float | None:

@@ -6,6 +6,7 @@ input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -21,13 +22,15 @@ from ..memory.params import num_parameters
 from ..model.recompute import apply_recompute
 from ..optimizer.accounting import memory_records
 from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
-from ..parallel.layout import Layout
-from ..parallel.state import ParallelState, default_device, init_distributed, world_size_from_env
+from ..parallel.layout import Layout, check_tp_inside_nodes, contiguous_nodes, describe_nodes
+from ..parallel.state import (ParallelState, default_device, gather_nodes, init_distributed,
+                              ranks_per_node_from_env, world_size_from_env)
 from ..pipeline.p2p import verify_stage_shapes
 from ..pipeline.partition import build_chunks
 from ..pipeline.schedules import build_schedule, schedule_timeline
 from ..run_plan import RunPlan
 from ..tensor_parallel.random import seed_everything
+from .device_setup import apply_determinism, prepare_cuda_env
 from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .preflight import check_output_paths
@@ -35,32 +38,42 @@ from .trainer import Trainer
 from .wandb_log import WandbLogger
 
 
-def validate(cfg: Config, world_size: int) -> RunPlan:
-    """Every check that needs only the config and the world size; raises ConfigError.
+def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> RunPlan:
+    """Every check that needs only the config, the world size and the ranks per node; raises ConfigError.
 
     The plan it returns may lack the vocabulary (the tokenizer is read once the groups exist).
+    ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE; None = one node) places ranks on nodes
+    as torchrun numbers them, so a TP group that would span nodes is refused here.
     """
-    return RunPlan.resolve(cfg, Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp))
+    layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
+    plan = RunPlan.resolve(cfg, layout)
+    check_tp_inside_nodes(layout, contiguous_nodes(world_size, ranks_per_node or world_size),
+                          cfg.parallel.allow_tp_across_nodes)
+    return plan
 
 
 def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
-    """The --load folder and its metadata, read (and checked) by every rank before any collective."""
-    if not cfg.checkpoint.load:
+    """The --load folder and its metadata, read (and checked) by every rank before any collective.
+
+    None without --load, and on the restart idiom's first start (--load equal to --save, which holds no
+    checkpoint yet); a --load elsewhere that holds nothing raises (see ``ckpt_load.starts_fresh``).
+    """
+    ck = cfg.checkpoint
+    if not ck.load or ckpt_load.starts_fresh(ck.load, ck.save):
         return None
-    folder = storage.resolve(cfg.checkpoint.load)
+    folder = storage.resolve(ck.load)
     return folder, storage.read_metadata(folder)
 
 
 def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
     """This rank's model chunk(s), initialised as slices of the seeded full model, in the compute dtype.
 
-    The fp32 initial values reach the optimizer's fp32 master copy only through this cast
-    (as Megatron). Also checks, with one all-gather over the pipeline group, that every stage
-    expects the same activation shape and dtype (a mismatch raises on every rank before any send).
+    ``build_chunks`` draws the initial values in fp32 and casts them into compute-dtype storage; they
+    reach the optimizer's fp32 master copy only through this cast (as Megatron). Also checks, with one
+    all-gather over the pipeline group, that every stage expects the same activation shape and dtype
+    (a mismatch raises on every rank before any send).
     """
     chunks = build_chunks(cfg, plan, pstate)
-    for chunk in chunks:
-        chunk.to(plan.compute_dtype)
     verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
     for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
         apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
@@ -135,16 +148,39 @@ def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | N
                        directory=lg.wandb_dir)
 
 
+def _restarts_share_the_store() -> bool:
+    """Whether torchrun may restart these workers on the store it shares with them (its default).
+
+    Restarted workers can then read the dead ones' addresses from it and fail to connect, or hang
+    (torch 2.13 on gloo: 5 of 6 restarts in tests/training/test_restart.py failed without the variable).
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Callable]:
     """Validate (before any process group, so bad input fails alike on every rank), then build the groups."""
-    plan = validate(cfg, world_size_from_env())
+    plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())
+    cuda_env = prepare_cuda_env(cfg)  # before anything initialises CUDA (default_device, init_distributed)
+    apply_determinism(cfg.training.deterministic)
     device = default_device(cfg.training.device)
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
     init_distributed(device, timeout)
     check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
     say = log_fn if dist.get_rank() == 0 else (lambda *_: None)
     say(f"megazero: building process groups for {plan.layout} on {device}")
-    return plan, ParallelState.build(plan.layout, device, timeout), say
+    if _restarts_share_the_store():
+        say("megazero: warning: torchrun --max-restarts with its shared rendezvous store can give restarted workers "
+            "the dead workers' addresses (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "before torchrun (tools/launch_slurm.sh does)")
+    if cuda_env and device.type == "cuda":
+        say("megazero: set " + ", ".join(f"{k}={v}" for k, v in cuda_env.items()) + " (see device_setup.py)")
+    pstate = ParallelState.build(plan.layout, device, timeout)
+    nodes = gather_nodes(pstate)  # torchrun's node numbers: the same list, so the same verdict, on every rank
+    check_tp_inside_nodes(plan.layout, nodes, cfg.parallel.allow_tp_across_nodes)
+    if pstate.layout.world_size > 1:
+        say(f"megazero: nodes: {describe_nodes(plan.layout, nodes)}")
+    return plan, pstate, say
 
 
 def run(cfg: Config, log_fn=print) -> list[dict]:
@@ -156,6 +192,9 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     plan, pstate, say = _start(cfg, log_fn)
     cfg, data = _data(cfg, pstate.rank, say, found)
     plan = RunPlan.resolve(cfg, plan.layout)  # the run's plan: the vocabulary is known now
+    if cfg.checkpoint.load and not found:  # the restart idiom, first start
+        say(f"megazero: --load {cfg.checkpoint.load} is the --save folder and holds no checkpoint yet; "
+            f"starting from scratch (a restart will resume from its latest checkpoint)")
     if found:
         say(f"megazero: model settings taken from the checkpoint's metadata"
             f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")

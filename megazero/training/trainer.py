@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from typing import Any, Callable
 
 import torch
@@ -21,10 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config
+from ..data.sampler import to_device
 from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
+from ..parallel.timer import DeviceTimer
 from ..pipeline.runner import Schedule
 from .evaluate import evaluate, reduce_loss
 from .flops import achieved_tflops, device_peak_tflops
@@ -116,7 +117,7 @@ class Trainer:
 
     def train_step(self) -> tuple[float, Any, float]:
         """Run one global batch; returns (mean loss over the global batch, optimizer result, lr)."""
-        micro_batches = [mb.to(self.pstate.device) for mb in self.batches.next_step()]
+        micro_batches = [to_device(mb, self.pstate.device) for mb in self.batches.next_step()]
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
@@ -194,9 +195,9 @@ class Trainer:
         try:
             while self.iteration < t.train_iters:
                 self.pstate.ledger.take_wait_seconds()
-                start = time.perf_counter()
+                timer = DeviceTimer(self.pstate.device).start()  # CUDA events on CUDA, perf_counter on CPU
                 loss, result, lr = self.train_step()
-                elapsed = time.perf_counter() - start
+                elapsed = timer.stop().seconds()
                 self.iteration += 1
                 nonfinite = self._count(loss, result)
                 self.step_record.record(self.iteration, loss, result.grad_norm)

@@ -11,6 +11,10 @@ seeded tokens: ``WARMUP`` untimed steps, then ``STEPS`` timed ones. A thread sam
 largest resident set any timed step reached (VmHWM, the lifetime peak, is reported too:
 start-up can exceed the steps).
 
+The ZeRO 3 rows (``z3``, ``z3-cpu``, ``z3-disk``) run the same model with ``--zero 3`` in
+memory, and with both the optimizer state and the parameter shards (``--offload-params``) on
+the host or on disk; their RSS drop is against ``z3``, as a fraction of what they offload.
+
 A small ``--bucket-size`` makes the disk tier stream many buckets (its host buffers hold
 one bucket of state each). DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu``
 (DS_ACCELERATOR=cpu, its CPUAdam JIT-built with g++) around the same megazero model and
@@ -43,7 +47,11 @@ SEED, LR = 1234, 3e-4
 WARMUP, STEPS = 1, 3
 BUCKET_SIZE = 4_000_000  # elements: ~35 buckets of 48 MB of fp32 state each on disk
 SAMPLE_S = 0.002
-ROWS = ("none", "cpu", "disk", "deepspeed-cpu")
+# row -> (zero stage, --offload-optimizer, --offload-params); each row's RSS drop is against BASE[zero]
+TIERS = {"none": (2, "none", "none"), "cpu": (2, "cpu", "none"), "disk": (2, "disk", "none"),
+         "z3": (3, "none", "none"), "z3-cpu": (3, "cpu", "cpu"), "z3-disk": (3, "disk", "disk")}
+BASE = {2: "none", 3: "z3"}
+ROWS = (*TIERS, "deepspeed-cpu")
 TAG = "OFFLOAD_RESULT "
 
 
@@ -82,8 +90,8 @@ def tokens(total: int):
     return torch.randint(0, MODEL["vocab_size"], (total, MICRO_BATCH, MODEL["seq_length"] + 1), generator=g)
 
 
-def megazero_row(tier: str, offload_dir: str) -> dict:
-    """One megazero run, zero 2 on one rank, the optimizer state ``tier`` (none|cpu|disk)."""
+def megazero_row(row: str, offload_dir: str) -> dict:
+    """One megazero run on one rank: ``TIERS[row]`` gives the ZeRO stage and where the state lives."""
     import torch
     from megazero.config import Config
     from megazero.optimizer.accounting import measured_state_bytes
@@ -96,10 +104,11 @@ def megazero_row(tier: str, offload_dir: str) -> dict:
     from megazero.training.run import build_model_chunks, build_optimizer
 
     keep_freed_host_memory()  # as the trainer does on CPU
-    settings = {**MODEL, "zero": 2, "micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH,
+    zero, optimizer, params = TIERS[row]
+    settings = {**MODEL, "zero": zero, "micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH,
                 "seed": SEED, "device": "cpu", "lr": LR, "lr_decay_style": "constant", "clip_grad": 1.0,
-                "bucket_size": BUCKET_SIZE, "offload_optimizer": tier}
-    if tier == "disk":
+                "bucket_size": BUCKET_SIZE, "offload_optimizer": optimizer, "offload_params": params}
+    if "disk" in (optimizer, params):
         settings["offload_path"] = offload_dir
     cfg = Config.from_flat(settings)
     layout = Layout.from_world(1, 1, 1)
@@ -109,7 +118,7 @@ def megazero_row(tier: str, offload_dir: str) -> dict:
     chunks = build_model_chunks(cfg, plan, pstate)
     opt = build_optimizer(cfg, plan, chunks, pstate)
     schedule = build_schedule(plan)
-    params = sum(p.numel() for c in chunks for p in c.parameters())
+    count = sum(p.numel() for c in chunks for p in c.parameters())
 
     def one_step(batch) -> float:
         opt.zero_grad()
@@ -117,10 +126,10 @@ def megazero_row(tier: str, offload_dir: str) -> dict:
         opt.step(LR)
         return float(torch.stack(out).mean())
 
-    row = timed_loop(one_step)
+    result = timed_loop(one_step)
     state = measured_state_bytes(opt)
     opt.close()
-    return {**row, "params": params, **state}
+    return {**result, "params": count, **state}
 
 
 def deepspeed_row(_: str) -> dict:
@@ -202,17 +211,26 @@ def worker(row: str, offload_dir: str, threads: int) -> None:
     print(TAG + json.dumps({"row": row, "threads": threads, **result}), flush=True)
 
 
+def offloaded_bytes(row: str, base: dict) -> int:
+    """What ``row`` moves off the device, measured in its in-memory base row: the optimizer state,
+    plus the parameter shards with --offload-params."""
+    _, _, params = TIERS.get(row, (2, "cpu", "none"))
+    return base["optimizer_bytes"] + (base["params_bytes"] if params != "none" else 0)
+
+
 def table(results: list[dict]) -> str:
-    """Markdown rows; the RSS drop is against the in-memory row, as a fraction of its optimizer bytes."""
-    base = next((r for r in results if r["row"] == "none" and "error" not in r), None)
-    lines = ["| row | step s | CPU s/step | peak RSS in step GB | VmHWM GB | RSS drop vs none GB "
-             "| drop / optimizer state | losses |", "|---|---|---|---|---|---|---|---|"]
+    """Markdown rows; the RSS drop is against the row's in-memory base (``BASE``), as a fraction of
+    the bytes it offloads."""
+    ok = {r["row"]: r for r in results if "error" not in r}
+    lines = ["| row | step s | CPU s/step | peak RSS in step GB | VmHWM GB | RSS drop vs base GB "
+             "| drop / offloaded state | losses |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['row']} | failed: {r['error'][:300]} |||||||")
             continue
+        base = ok.get(BASE[TIERS.get(r["row"], (2,))[0]])
         drop = base["peak_step_rss"] - r["peak_step_rss"] if base else float("nan")
-        frac = drop / base["optimizer_bytes"] if base else float("nan")
+        frac = drop / offloaded_bytes(r["row"], base) if base else float("nan")
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
         lines.append(f"| {r['row']} | {r['step_s']:.2f} | {r['cpu_s_per_step']:.2f} | {r['peak_step_rss'] / 1e9:.2f} "
                      f"| {r['vm_hwm'] / 1e9:.2f} | {drop / 1e9:.2f} | {frac:.0%} | {losses} |")

@@ -7,7 +7,9 @@ Adam moments). Views share storage, so each storage is counted once. With
 adds ``optimizer_host_bytes`` (host copy, or the disk tier's K buffers) and
 ``optimizer_disk_bytes`` (the rank's state file). With ``--offload-params``
 (ZeRO 3) ``params_bytes`` counts only the gathered units, and
-``params_host_bytes`` / ``params_disk_bytes`` the offloaded shards.
+``params_host_bytes`` / ``params_disk_bytes`` the offloaded shards. On CUDA an
+offloaded optimizer adds ``transfer_host_bytes``: the pinned fp32 grad shards the
+backward copies into (and the disk tier's staging ring, ``offload.HostTransfers``).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ def measured_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
     out = {"params_bytes": params, "grads_bytes": grads, "optimizer_bytes": optimizer}
     if opt.store.placement != Placement.DEVICE:  # --offload-optimizer: host buffers and file bytes
         out.update(optimizer_host_bytes=opt.store.host_bytes(), optimizer_disk_bytes=opt.store.disk_bytes())
+    if opt.transfers is not None:
+        out["transfer_host_bytes"] = opt.transfers.host_bytes()
     stores = [buf.param_store for buf in opt.buffers if buf.param_store is not None]
     if stores:  # --offload-params: the shards' host memory and file bytes
         out.update(params_host_bytes=sum(s.host_bytes() for s in stores),

@@ -38,12 +38,13 @@ gradient outlives its bucket's reduce-scatter, at m reduce-scatters per step.
 
 How offload plugs in (an addition to this engine, not a rewrite): a bucket's
 shard (grad shard, and the step's master weights and moments) is given a
-placement (``RunPlan.placement``); the engine copies each reduced grad shard to
-its tier when the bucket retires (``_retire``), through a bounded pool of
-staging buffers (pinned host memory on CUDA, files for disk), and the step runs
-where the state lives, then copies the updated parameter shard back before
-``gather_params``. The collectives and their order do not change, so an
-offloaded run is bitwise the in-memory run.
+placement (``RunPlan.placement``); on CUDA the engine starts each reduced grad
+shard's copy to pinned host memory when the bucket retires for the step's last
+micro-batch (``_retire``, ``offload.HostTransfers``), the step runs where the
+state lives, and copies the updated parameter shards back before
+``gather_params``. The collectives and their order do not change, so on a
+CPU-only machine an offloaded run is bitwise the in-memory run (on CUDA the
+host's AdamW kernel rounds differently from the device's).
 """
 from __future__ import annotations
 
@@ -89,8 +90,10 @@ class GradSyncEngine:
                 shard_params=zero.shards_parameters, unit_of=unit_of, param_store=param_store))
         self._sync = True
         self._drain_queued = False  # ZeRO 3: an end-of-backward callback will retire the reductions
-        self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None]] = []
+        # (buffer, bucket, work, ZeRO 3's partial shard, reduced for the step's last micro-batch)
+        self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None, bool]] = []
         self._gathers: dict[tuple[int, int], object] = {}
+        self.transfers = None  # CUDA + offloaded optimizer: offload.HostTransfers, set by the optimizer
         self.overlap_param_gather = (overlap_param_gather and self.sharded and not zero.shards_parameters
                                      and pstate.dp_group is not None)
         for buf in self.buffers:
@@ -109,6 +112,8 @@ class GradSyncEngine:
             buf.zero_grad()
             for p in buf.params:
                 p.grad = None
+        if self.transfers is not None:
+            self.transfers.reset()  # a skipped step left its copies unread: this step copies afresh
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -129,6 +134,9 @@ class GradSyncEngine:
         if self.units is not None:
             self.units.free_all()
         self._sync_replicated_shards()
+        if self.transfers is not None:
+            self.transfers.finish_grads([(buf, b) for buf in self.buffers for b in buf.buckets],
+                                        lambda buf, b: buf.grad_shard(b))
 
     def grad_shards(self) -> list[list[torch.Tensor]]:
         """This rank's reduced-gradient shard [shard_numel] of every bucket, per buffer."""
@@ -187,7 +195,7 @@ class GradSyncEngine:
                 work = C.reduce_scatter_tensor(partial, grad_b, group, async_op=True)
             else:  # in place when only the optimizer state is sharded (the shard is a view of grad_b)
                 work = C.reduce_scatter_tensor(buf.grad_shard(b), grad_b, group, async_op=True)
-        self._inflight.append((buf, b, work, partial))
+        self._inflight.append((buf, b, work, partial, self._sync))
         self._reap(block=False)
         while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
@@ -209,13 +217,14 @@ class GradSyncEngine:
                 pending.append(entry)
         self._inflight = pending
 
-    @staticmethod
-    def _retire(buf: ParamGradBuffer, b: Bucket, work, partial: torch.Tensor | None) -> None:
+    def _retire(self, buf: ParamGradBuffer, b: Bucket, work, partial: torch.Tensor | None, final: bool) -> None:
         if work is not None:
             work.wait()
         if partial is not None:
             buf.grad_shard(b).add_(partial)
         buf.release(b)
+        if final and self.transfers is not None:  # the shard is complete: start its copy to the host
+            self.transfers.grad_ready(b, buf.grad_shard(b))
 
     def _sync_replicated_shards(self) -> None:
         """Sum SP-replicated grads over TP and tied-embedding grads over the embedding group."""

@@ -31,7 +31,7 @@ from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
-from .offload import OffloadError, build_store
+from .offload import HostTransfers, OffloadError, build_store
 from .param_offload import param_shard_factory
 from .scaler import DynamicLossScaler
 
@@ -56,6 +56,10 @@ class DistributedOptimizer:
                                    placement, pstate)
         self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
+        self.transfers = None  # CUDA + offloaded state: grads down and params up on side streams
+        if pstate.device.type == "cuda" and self.store.placement != Placement.DEVICE:
+            self.transfers = self.sync.transfers = HostTransfers(
+                self.bucket_list, persistent_master=self.store.placement == Placement.HOST)
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
@@ -117,10 +121,11 @@ class DistributedOptimizer:
         self.sync.wait_param_gather()
         self.sync.finish()
         grads = [[g.float() for g in gs] for gs in self.sync.grad_shards()]  # fp32 [shard]
-        scale = None
+        scale = unscaled_by = None
         if self.scaler is not None:
             at_floor = self.scaler.scale <= self.scaler.min_scale  # halving cannot help any more
-            found_inf = self._unscale_and_check(grads, self.scaler.scale)
+            unscaled_by = self.scaler.scale  # update() may change it; the host grads are unscaled by this one
+            found_inf = self._unscale_and_check(grads, unscaled_by)
             self.scaler.update(found_inf)
             scale = self.scaler.scale
             if found_inf:
@@ -136,16 +141,28 @@ class DistributedOptimizer:
         flat_runs = [r for runs in self.decay_runs for r in runs]
         for i, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state, bucket by bucket, where it lives
             buf, b = self.bucket_list[i]
-            g = flat_grads[i]
+            g = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
             if coef < 1.0:
                 g.mul_(coef)
             adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, flat_runs[i], hyper, self.step_count)
-            if self.store.separate_master:
+            if self.transfers is not None:
+                self.transfers.send_param(buf, b, master)
+            elif self.store.separate_master:
                 buf.set_param_shard(b, master)
         for buf in self.buffers:
             buf.flush_param_shards()
+        if self.transfers is not None:
+            self.transfers.params_sent()
         self.sync.gather_params()
         return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def _host_grad(self, i: int, scale: float | None) -> torch.Tensor:
+        """Bucket ``i``'s grad shard as copied to the host during backward, unscaled here as the device
+        shard was (same fp32 multiply, so the same numbers)."""
+        g = self.transfers.host_grad(i)
+        if scale is not None:
+            g.mul_(1.0 / scale)
+        return g
 
     def _global_norm(self, grads: list[list[torch.Tensor]]) -> float:
         """The global grad norm, summed in fp64 over model-parallel ranks (and DP shards when sharded).

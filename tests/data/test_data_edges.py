@@ -195,7 +195,7 @@ def test_resume_with_another_global_batch(corpus, tmp_path, new_gbs: int, nproc:
     want = _loss_on(ckpt, range(16, 16 + new_gbs), corpus)
     assert abs(resumed[0]["loss"] - want) <= 1e-5 * abs(want), (resumed[0]["loss"], want)
     other = _loss_on(ckpt, range(0, new_gbs), corpus)  # the check can tell samples apart
-    assert abs(other - want) > 1e-3 * abs(want)
+    assert abs(other - want) > 1e-4 * abs(want)  # 10x the match tolerance above
 
 
 # ---- too little data --------------------------------------------------------------------------

@@ -38,8 +38,10 @@ the copies with backward and with the next forward, so this is an upper bound):
 Defaults (``OffloadHardware``): PCIe Gen4 x16 at 25 GB/s per direction per GPU; one NVMe
 drive per GPU at 3 GB/s read and 3 GB/s write; CPU AdamW at 1e9 elements/s per rank (it
 moves about 30 bytes per element - reads master, moments, gradient; writes master, moments,
-parameter - so this is a ~30 GB/s share of a host's memory bandwidth, the regime DeepSpeed's
-vectorised CPU Adam reaches; torch's CPU AdamW is several times slower).
+parameter - so this is a ~30 GB/s share of a host's memory bandwidth). Measured on one core of
+the 2-core test machine (``bench/RESULTS_cpu_adam.md``): the fused kernel the step runs, 1.44 G
+elements/s, DeepSpeed's CPUAdam 1.42, torch's op-by-op AdamW 0.17-0.24; 1e9 leaves room for
+cores shared by several ranks.
 """
 from __future__ import annotations
 

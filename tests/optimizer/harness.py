@@ -80,5 +80,16 @@ def compare_runs(run: dict[str, Any], ref: dict[str, Any], tag: str) -> dict[str
     return errs
 
 
+# TP's all-reduces add partial products in another order than one process does; Adam's division by
+# sqrt(v) carries that rounding into the row-parallel output biases (values ~lr x steps), which
+# land up to ~1.2e-5 from serial (measured with the block-seeded initial weights): tp > 1 worlds
+# compare at TP_TOL, everything else at 1e-5.
+TP_TOL = 2e-5
+
+
+def tolerance(tp: int) -> float:
+    return TP_TOL if tp > 1 else 1e-5
+
+
 def failures(errs: dict[str, float], tol: float = 1e-5) -> dict[str, float]:
     return {k: v for k, v in errs.items() if not v <= tol}

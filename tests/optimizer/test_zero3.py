@@ -43,7 +43,7 @@ import torch
 
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import compare_runs, failures, make_cfg
+from tests.optimizer.harness import compare_runs, failures, make_cfg, tolerance
 from tests.optimizer.zero3_checks import (EVAL_BATCHES, PRECISION, STATE_PRECISIONS, TRAFFIC_RUNS, checked_run,
                                            run_all)
 
@@ -104,7 +104,7 @@ def check_world(serial: dict, world: int, runs: dict[str, dict], extras: tuple[s
     for rank, per_run in enumerate(results):
         for name, kw in runs.items():
             run, ref, tag = per_run[name], serial[ref_key(kw)], f"rank{rank}.{name}"
-            bad.update(failures(compare_runs(run, ref, tag)))
+            bad.update(failures(compare_runs(run, ref, tag), tolerance(grid.get("tp", 1))))
             bad.update(failures({f"{tag}.eval_loss": abs(run["eval_loss"] / ref["eval_loss"] - 1)}))
             probe, iters = run["probe"], len(ref["records"])
             peak, m = expected_peak(kw), kw.get("gbs", 8) // (kw.get("mbs", 4) * world // tp_pp)

@@ -18,7 +18,7 @@
 # Node ranks come from the c10d rendezvous (torchrun ignores --node-rank with it); each node's workers
 # still get consecutive global ranks, so tensor-parallel groups stay inside a node.
 #
-# usage: tools/launch_slurm.sh [--nproc-per-node N] [--max-restarts R] [--port P] [--dry-run] [--] ARGS...
+# usage: tools/launch_slurm.sh [-h] [--nproc-per-node N] [--max-restarts R] [--port P] [--dry-run] [--] ARGS...
 #   ARGS go to pretrain_gpt.py unchanged. --dry-run prints the torchrun command line (shell-quoted)
 #   instead of running it. $PYTHON picks the interpreter (default python3).
 set -euo pipefail
@@ -34,6 +34,7 @@ while [[ $# -gt 0 ]]; do
         --max-restarts) MAX_RESTARTS="${2:?--max-restarts needs a value}"; shift 2 ;;
         --port) PORT="${2:?--port needs a value}"; shift 2 ;;
         --dry-run) DRY_RUN=1; shift ;;
+        -h|--help) sed -n '2,/^set -euo/{/^set -euo/d;s/^# \{0,1\}//;p}' "${BASH_SOURCE[0]}"; exit 0 ;;
         --) shift; break ;;
         *) break ;;  # the first argument that is not ours: it and the rest are pretrain_gpt.py's
     esac

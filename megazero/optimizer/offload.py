@@ -45,6 +45,25 @@ Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (master, exp_avg, exp
 KINDS = 3  # tensors of state per bucket, in file order
 
 
+class ShardOnDemand:
+    """A bucket's parameter shard that is read only when a store copies it (``read``).
+
+    With ``--offload-params disk`` the shards live in a file: reading them all before the store is
+    built would hold the whole model in host memory at start-up (a model's worth on top of the
+    grad shards; at 2.85B parameters that was the run's 22.8 GB peak).
+    """
+
+    def __init__(self, numel: int, read) -> None:
+        self._numel, self.read = numel, read
+
+    def numel(self) -> int:
+        return self._numel
+
+
+def _read(t) -> torch.Tensor:
+    return t.read() if isinstance(t, ShardOnDemand) else t
+
+
 class OffloadError(ValueError):
     """The offload folder cannot hold the optimizer state; the message names --offload-path and the fix."""
 
@@ -92,7 +111,7 @@ class HostStore(DeviceStore):
         self._views, offset = [], 0
         for t in flat:
             sl = slice(offset, offset + t.numel())
-            master[sl].copy_(t)  # fp32 masters start as the (compute-dtype) parameters upcast
+            master[sl].copy_(_read(t))  # fp32 masters start as the (compute-dtype) parameters upcast
             self._views.append((master[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
             offset += t.numel()
 
@@ -147,7 +166,7 @@ class DiskStore:
         for i, t in enumerate(flat):
             n = t.numel()
             buf[:KINDS * n].zero_()
-            buf[:n].copy_(t)
+            buf[:n].copy_(_read(t))
             self._pwrite(i, buf)
 
     def _span(self, i: int, buf: torch.Tensor) -> memoryview:

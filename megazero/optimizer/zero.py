@@ -31,7 +31,7 @@ from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
-from .offload import HostTransfers, OffloadError, build_store
+from .offload import HostTransfers, OffloadError, ShardOnDemand, build_store
 from .param_offload import param_shard_factory
 from .scaler import DynamicLossScaler
 
@@ -52,7 +52,7 @@ class DistributedOptimizer:
                                    gathering=gathering, param_store=param_shard_factory(
                                        placement.parameters, placement.offload_path, pstate.rank))
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
-        self.store = _agreed_store([[buf.read_param_shard(b) for b in buf.buckets] for buf in self.buffers],
+        self.store = _agreed_store([[_initial_shard(buf, b) for b in buf.buckets] for buf in self.buffers],
                                    placement, pstate)
         self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
@@ -238,6 +238,14 @@ class DistributedOptimizer:
                 buf.flush_param_shards()
         self.sync.gather_params()
         self.sync.wait_param_gather()
+
+
+def _initial_shard(buf: ParamGradBuffer, b: Bucket):
+    """What the store's masters start from: the shard in place, or read from its offload store one bucket at a
+    time as the optimizer store copies it (``ShardOnDemand``)."""
+    if buf.param_store is None:
+        return buf.read_param_shard(b)
+    return ShardOnDemand(b.shard_numel, lambda: buf.read_param_shard(b))
 
 
 def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, pstate: ParallelState):

@@ -11,6 +11,14 @@ the step's peak, which the memory planner predicts anyway. This is what
 PyTorch's CPU performance guides get from jemalloc or tcmalloc; the same
 effect is available to any process through the environment variables
 ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_``.
+
+Only for ZeRO 0/1/2, whose steps allocate the same tensors in the same order. Under
+ZeRO 3 the gathered units (and, with ``--offload-params``, their staging reads)
+come and go in an order that fragments a never-trimmed heap: measured on the
+offload recipe's shape at 8 layers (385M parameters, 2026-11-22), the steady RSS
+grew by 0.6 GB in memory, 0.9 GB with ``--offload-optimizer disk`` and 1.6 GB
+(the parameters' size) with ``--offload-params disk`` as well. The cost: CPU steps
+of that shape at 64 layers took 71-100 s instead of 52-60 s (page faults).
 """
 from __future__ import annotations
 

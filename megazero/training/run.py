@@ -206,8 +206,8 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
         ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
     optimizer = build_optimizer(cfg, plan, chunks, pstate)
-    if pstate.device.type == "cpu":  # after the build, whose freed copies of the model go back to the kernel
-        keep_freed_host_memory()  # no page-fault storm per step (see host_memory.py)
+    if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
+        keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
     start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None

@@ -43,14 +43,15 @@ def offloaded(cfg: Config, where: str, folder: str, buffers: int = 2) -> Config:
 
 
 def train_closed(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
-    """``harness.train``, then close the optimizer (the disk tier must remove its file)."""
+    """``harness.train``, the memory record after it, then close(): the disk tier must remove its files
+    (the optimizer-state file and, with --offload-params disk, the parameter-shard files)."""
     seen: list = []
     out = train(pstate, cfg, hook=lambda chunks, opt, ps: seen.append(opt))
     opt = seen[0]
     out["memory"] = measured_state_bytes(opt)
-    path = getattr(opt.store, "path", None)
+    paths = [getattr(store, "path", None) for store in (opt.store, *(buf.param_store for buf in opt.buffers))]
     opt.close()
-    out["file_left"] = path is not None and os.path.exists(path)
+    out["files_left"] = [p for p in paths if p is not None and os.path.exists(p)]
     return out
 
 
@@ -112,7 +113,7 @@ def test_offload_dp2_bitwise_checkpoints_and_pool(tmp_path):
             if name.startswith("z") and not name.endswith(".none"):
                 ref = out[name.rsplit(".", 1)[0] + ".none"]
                 bad.update({f"rank{rank}.{name}": d for d in [differences(run, ref)] if d})
-                assert not run["file_left"], f"{name}: close() left the state file"
+                assert not run["files_left"], f"{name}: close() left {run['files_left']}"
         straight = out["ck.straight"]
         tail = {"records": straight["records"][2:], "evals": straight["evals"][1:], "params": straight["params"]}
         for name in ("ck.memory<-disk", "ck.disk<-memory", "ck.cpu<-memory"):  # iterations 3 and 4, resumed

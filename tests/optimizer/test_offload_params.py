@@ -15,37 +15,23 @@ The flag errors run in this process.
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
 
 from megazero.config import Config, ConfigError
-from megazero.optimizer.accounting import measured_state_bytes
 from megazero.parallel.state import ParallelState
 from megazero.training.preflight import output_paths
 from tests.checkpoint.test_zero3_checkpoint import cfg_for, segment
 from tests.helpers.dist import spawn
 from tests.optimizer.harness import make_cfg, train
-from tests.optimizer.test_offload import differences
+from tests.optimizer.test_offload import differences, train_closed
 
 
 def offloaded(cfg: Config, params: str, optimizer: str, folder: str) -> Config:
     """``cfg`` with the parameter shards at ``params`` and the optimizer state at ``optimizer``."""
     path = {"offload_path": folder} if "disk" in (params, optimizer) else {}
     return cfg.updated(offload_params=params, offload_optimizer=optimizer, **path)
-
-
-def train_closed(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
-    """``harness.train``, the memory record after it, then close(): the disk tier must remove its files."""
-    seen: list = []
-    out = train(pstate, cfg, hook=lambda chunks, opt, ps: seen.append(opt))
-    opt = seen[0]
-    out["memory"] = measured_state_bytes(opt)
-    paths = [getattr(buf.param_store, "path", None) for buf in opt.buffers]
-    opt.close()
-    out["files_left"] = [p for p in paths if p is not None and os.path.exists(p)]
-    return out
 
 
 # (name, extra make_cfg settings, params, optimizer); the reference of each is the same settings in memory

@@ -5,8 +5,10 @@
 
 The HF folder holds config.json, model.safetensors (sharded above --max-shard-size) and a
 tokenizer that encodes exactly as the run's sentencepiece model; GPT2LMHeadModel or
-LlamaForCausalLM.from_pretrained loads it. A megazero checkpoint made from HF has no
-optimizer state: `pretrain_gpt.py --load DIR` continues pretraining from the weights.
+LlamaForCausalLM.from_pretrained loads it. An export replaces an earlier one in the
+folder whole (either layout), and a crash midway leaves it unloadable, never holding the
+old weights. A megazero checkpoint made from HF has no optimizer state:
+`pretrain_gpt.py --load DIR` continues pretraining from the weights.
 """
 from __future__ import annotations
 
@@ -53,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.to == "hf":
             cfg, state = read_full_state(args.input)
-            save_hf(args.output, cfg.model, state, _tokenizer_for(cfg, args.tokenizer_model),
-                    int(args.max_shard_size * 2**30))
+            removed = save_hf(args.output, cfg.model, state, _tokenizer_for(cfg, args.tokenizer_model),
+                              int(args.max_shard_size * 2**30))
+            if removed:  # an earlier export's files the new one does not write (the other layout, a tokenizer)
+                print(f"removed the earlier export's {', '.join(removed)} from {args.output}")
         else:
             hf_to_checkpoint(args.input, args.output, tp=args.tp, pp=args.pp, vp=args.virtual_pipeline_size)
     except ValueError as err:

@@ -22,7 +22,7 @@ from ..parallel.layout import Layout
 from ..pipeline.partition import chunk_layer_ranges
 from ..run_plan import layout_record
 from ..tensor_parallel.layers import spec_of
-from . import storage
+from . import hf_folder, storage
 from .hf import from_hf, hf_config, model_config_from_hf, to_hf
 from .load import ShardReader
 from .save import non_finite
@@ -124,9 +124,25 @@ def hf_tokenizer(sentencepiece_model: str) -> Any:
 
 
 def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str | None,
-            max_shard_bytes: int = 5 * 2**30) -> None:
-    """config.json, model.safetensors (or model-0000i-of-0000n shards + index) and the tokenizer."""
-    os.makedirs(out_dir, exist_ok=True)
+            max_shard_bytes: int = 5 * 2**30) -> list[str]:
+    """config.json, model.safetensors (or model-0000i-of-0000n shards + index) and the tokenizer.
+
+    Written into a staging folder and committed as one unit (``hf_folder.commit``): an earlier
+    export in the folder, in either layout, is replaced whole, and a crash midway leaves a folder
+    that fails to load rather than one that loads the old weights. Returns the earlier export's
+    files that were removed rather than replaced.
+    """
+    staging = hf_folder.new_staging(out_dir)
+    try:
+        _write_hf(staging, cfg, state, tokenizer_model, max_shard_bytes)
+        return hf_folder.commit(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _write_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str | None,
+              max_shard_bytes: int) -> None:
+    """Every file of the export into ``out_dir`` (an empty staging folder)."""
     special_ids = None
     if tokenizer_model:  # the special ids of the tokenizer that ships with the model
         from ..data.tokenizer import Tokenizer
@@ -174,6 +190,10 @@ def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
     with open(config_path) as fh:
         cfg = model_config_from_hf(json.load(fh), source=config_path)
     index = os.path.join(in_dir, "model.safetensors.index.json")
+    if os.path.isfile(index) and os.path.isfile(os.path.join(in_dir, "model.safetensors")):
+        raise ValueError(f"--input {in_dir!r} holds both model.safetensors and model.safetensors.index.json "
+                         "(two exports in different layouts; transformers loads model.safetensors): delete "
+                         "the stale one, or export again into the folder.")
     if os.path.isfile(index):
         with open(index) as fh:
             files = sorted(set(json.load(fh)["weight_map"].values()))

@@ -5,12 +5,16 @@ docstrings, so ``pretrain_gpt.py`` can train something meaningful with no
 ``--data-path`` and no network. Files are parsed with ``ast`` (never
 imported), in sorted order, so the corpus, the tokenizer and the token files
 are byte-identical for a given Python version. The result is cached and
-published atomically (built in a temp folder, then renamed).
+published atomically (built in a temp folder, then renamed), in a folder
+named by a fingerprint of the files it is built from (path, size and mtime of
+every candidate file), so a changed standard library gets a fresh corpus
+instead of the tokens of the old one.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import shutil
 import sys
@@ -82,6 +86,22 @@ def corpus_documents(max_bytes: int = MAX_BYTES, root: str | None = None) -> lis
     return docs
 
 
+def source_fingerprint(root: str | None = None) -> str:
+    """Short hash of what the corpus is built from: every candidate file's path, size and mtime, and the caps.
+
+    One ``stat`` per file (milliseconds); parsing the files each start-up would take seconds.
+    """
+    root = root or sysconfig.get_paths()["stdlib"]
+    h = hashlib.sha1(f"{CORPUS_VERSION} {MAX_BYTES} {MIN_DOC_CHARS}".encode())
+    for path in _stdlib_files(root):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        h.update(f"{os.path.relpath(path, root)} {st.st_size} {st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:12]
+
+
 def _cache_root(cache_dir: str | None) -> str:
     if cache_dir:
         return cache_dir
@@ -115,7 +135,7 @@ def default_corpus(vocab_size: int = 8000, cache_dir: str | None = None,
     """
     py = f"py{sys.version_info.major}.{sys.version_info.minor}"
     root = _cache_root(cache_dir)
-    final = os.path.join(root, f"corpus-{py}-v{CORPUS_VERSION}-vocab{vocab_size}")
+    final = os.path.join(root, f"corpus-{py}-v{CORPUS_VERSION}-vocab{vocab_size}-{source_fingerprint()}")
     paths = CorpusPaths(os.path.join(final, "data"), os.path.join(final, "tokenizer.model"))
     if os.path.isdir(final):
         return paths

@@ -10,8 +10,10 @@ Three index arrays define the samples:
 - ``shuffle_idx``: the order in which windows are served.
 
 They are built once by the builder rank and cached beside the data as
-``.npy`` files named by a hash of everything they depend on; the other ranks
-wait at ``barrier()`` and then memory-map them.
+``.npy`` files named by a hash of everything they depend on - the document
+lengths themselves (a digest of the ``.idx`` offsets), not the prefix and
+counts, so data re-preprocessed under the same name gets new indices; the
+other ranks wait at ``barrier()`` and then memory-map them.
 """
 
 from __future__ import annotations
@@ -102,12 +104,18 @@ def build_indices(doc_lengths: np.ndarray, doc_indices: np.ndarray, seq_length: 
 
 
 def _cache_key(indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int, num_samples: int, seed: int) -> str:
-    """Hash of everything the indices depend on, so stale caches are never reused."""
+    """Hash of everything the indices depend on, so stale caches are never reused.
+
+    The indices are a function of the document lengths, so the key holds their digest: a
+    prefix re-preprocessed with the same documents in another order (same count, same total)
+    must not reuse windows cut for the old lengths.
+    """
     desc = {
         "version": _INDEX_VERSION,
         "prefix": os.path.basename(indexed.prefix),
         "num_docs": len(indexed),
         "num_tokens": indexed.num_tokens,
+        "offsets": indexed.offsets_digest,
         "docs": hashlib.sha1(np.ascontiguousarray(doc_indices, dtype=np.int64).tobytes()).hexdigest(),
         "seq_length": seq_length,
         "num_samples": num_samples,

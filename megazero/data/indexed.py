@@ -16,12 +16,16 @@ The vocabulary fields let training refuse data that its model cannot embed
 embedding at tp > 1). A version-1 file is scanned once for its largest id.
 
 Both files are memory-mapped, never read whole, so a corpus larger than RAM
-is fine. Files are written under temporary names and renamed at the end, so
-a crash never leaves a half-written file under the final name.
+is fine. Files are written under temporary names, synced and renamed at the
+end, the old ``.idx`` removed first: a crash never leaves a half-written file
+under the final name, nor a new ``.bin`` beside the old ``.idx`` (the same
+documents in another order fill a ``.bin`` of the same size, so that pair
+would load without complaint and cut the documents at the old boundaries).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -86,13 +90,23 @@ class IndexedDatasetWriter:
         return self._offsets[-1]
 
     def finalize(self) -> None:
-        """Flush both files and rename them to their final names."""
+        """Sync both files, then publish them as a pair: old ``.idx`` out, new ``.bin`` in, new ``.idx`` in.
+
+        A crash between the steps leaves a prefix with no ``.idx`` (a clear error on open),
+        never one whose ``.idx`` describes another ``.bin``.
+        """
+        self._bin.flush()
+        os.fsync(self._bin.fileno())
         self._bin.close()
         offsets = np.asarray(self._offsets, dtype="<i8")
         with open(self._tmp_idx, "wb") as f:
             f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(self.dtype), len(offsets) - 1,
                                  self._vocab_size, self._max_id))
             f.write(offsets.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.lexists(self.prefix + ".idx"):
+            os.remove(self.prefix + ".idx")
         os.replace(self._tmp_bin, self.prefix + ".bin")
         os.replace(self._tmp_idx, self.prefix + ".idx")
 
@@ -107,10 +121,14 @@ class IndexedDatasetWriter:
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if exc_type is None:
-            self.finalize()
-        else:
+        if exc_type is not None:
             self.discard()
+            return
+        try:
+            self.finalize()
+        except BaseException:  # a full disk mid-publish: no temporary files left behind
+            self.discard()
+            raise
 
 
 @dataclass(frozen=True)
@@ -176,6 +194,7 @@ class IndexedDataset:
         self._header, self._offsets = _read_index(prefix + ".idx")
         self.dtype = self._header.dtype
         self._max_id = self._header.max_id
+        self._digest: str | None = None
         bin_path = prefix + ".bin"
         expected = int(self._offsets[-1]) * self.dtype.itemsize
         actual = os.path.getsize(bin_path)
@@ -216,6 +235,20 @@ class IndexedDataset:
             self._max_id = max((int(self._tokens[i:i + _SCAN_CHUNK].max())
                                 for i in range(0, self.num_tokens, _SCAN_CHUNK)), default=-1)
         return self._max_id
+
+    @property
+    def offsets_digest(self) -> str:
+        """sha1 of the document offsets: what every index derived from the document lengths is keyed on.
+
+        Names and counts are not enough: the same documents in another order have the same
+        count and total but other lengths at each position. Computed once per open dataset.
+        """
+        if self._digest is None:
+            h = hashlib.sha1()
+            for i in range(0, len(self._offsets), _SCAN_CHUNK):
+                h.update(np.ascontiguousarray(self._offsets[i:i + _SCAN_CHUNK]).tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
 
     @property
     def doc_lengths(self) -> np.ndarray:

@@ -188,12 +188,24 @@ def train_sentencepiece(inputs: Iterable[str], model_prefix: str, vocab_size: in
 
 
 def _write_model(proto: bytes, model_prefix: str) -> None:
-    """Atomically write PREFIX.model, plus PREFIX.vocab (piece, score) for people."""
-    tmp = f"{model_prefix}.model.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(proto)
-    os.replace(tmp, model_prefix + ".model")
+    """Atomically write PREFIX.model, plus PREFIX.vocab (piece, score) for people.
+
+    Both are written under temporary names and synced first, then renamed (the model last, as it
+    is the file everything loads), so a crash never leaves a half-written file or an old model
+    beside a new one's temporary; the temporaries are removed on failure.
+    """
     sp = spm.SentencePieceProcessor(model_proto=proto)
-    with open(model_prefix + ".vocab", "w", encoding="utf-8") as f:
-        for i in range(sp.get_piece_size()):
-            f.write(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n")
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size()))
+    tmps = {ext: f"{model_prefix}.{ext}.tmp{os.getpid()}" for ext in ("vocab", "model")}
+    try:
+        for ext, data in (("vocab", vocab.encode("utf-8")), ("model", proto)):
+            with open(tmps[ext], "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for ext in ("vocab", "model"):
+            os.replace(tmps[ext], f"{model_prefix}.{ext}")
+    finally:
+        for tmp in tmps.values():
+            if os.path.exists(tmp):
+                os.remove(tmp)

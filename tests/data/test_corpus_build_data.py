@@ -36,7 +36,7 @@ def test_corpus_builds_and_is_usable(corpus_root: str) -> None:
     assert lines == []  # cached: silent, and nothing rebuilt or rewritten
     assert stamps == {name: os.stat(os.path.join(dirpath, name)).st_mtime_ns
                       for dirpath, _, names in os.walk(corpus_root) for name in names}
-    assert os.path.basename(os.path.dirname(paths.data_prefix)).endswith(f"-v1-vocab{VOCAB}")
+    assert f"-v1-vocab{VOCAB}-" in os.path.basename(os.path.dirname(paths.data_prefix))  # then the sources' hash
     tok = Tokenizer.load(paths.tokenizer_model)
     ds = IndexedDataset(paths.data_prefix)
     assert tok.vocab_size == VOCAB and ds.dtype == np.uint16

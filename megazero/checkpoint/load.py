@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import Config, ConfigError, ModelConfig, flag
 from ..optimizer.protocol import ShardedOptimizerState
+from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import full_shape, spec_of
@@ -62,9 +63,31 @@ class ShardReader:
             raise ValueError(f"checkpoint shard {fname!r} holds {key!r} with shape {part.get_shape()}, but "
                              f"metadata.json says {expected_shape}; the metadata does not match the shards.")
         try:
-            return part[index] if index is not None else part[:]
+            t = part[index] if index is not None else part[:]
         except Exception as err:
             raise ValueError(f"checkpoint shard {fname!r} is truncated ({err}); load an earlier checkpoint.") from None
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise ValueError(f"checkpoint shard {os.path.join(self.folder, fname)!r} holds NaN/inf in {key!r}; "
+                             f"the checkpoint is damaged - load an earlier one.")
+        return t
+
+
+def agree(pstate: ParallelState, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn``; a ValueError on any rank raises on every rank.
+
+    Each rank reads only the shards it needs, so a damaged file may fail one rank alone: one
+    all-gather that every rank reaches (failed or not) shares the verdict, and no rank goes on
+    to a collective that the failed rank would never join.
+    """
+    try:
+        fn(*args)
+        mine = None
+    except (ValueError, OSError) as err:
+        mine = str(err)
+    verdicts = C.all_gather_object(mine, pstate.world_group)
+    first = mine or next((v for v in verdicts if v), None)
+    if first:
+        raise ValueError(first)
 
 
 def model_keys() -> list[str]:
@@ -122,7 +145,12 @@ def _size(region: Region) -> list[int]:
 
 
 def load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Module], pstate: ParallelState) -> None:
-    """Fill this rank's parameters from the overlapping regions of the saved model shards."""
+    """Fill this rank's parameters from the overlapping regions of the saved model shards (every rank
+    raises if any rank's shards are missing, damaged or hold NaN/inf)."""
+    agree(pstate, _load_model_weights, folder, meta, chunks, pstate)
+
+
+def _load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Module], pstate: ParallelState) -> None:
     reader, index = ShardReader(folder), meta["model"]
     for name, p in named_parameters(chunks).items():
         entry = index.get(name)
@@ -150,7 +178,11 @@ def _saved_local(reader: ShardReader, meta: dict, name: str, kind: str, tp_rank:
     for fname, info in meta["optimizer"]["files"].items():
         rng = info["ranges"].get(name)
         if info["tp_rank"] == tp_rank and rng is not None:
-            flat[rng[0]: rng[1]] = reader.read(fname, f"{name}/{kind}", [rng[1] - rng[0]])
+            piece = reader.read(fname, f"{name}/{kind}", [rng[1] - rng[0]])
+            if kind == "exp_avg_sq" and bool((piece < 0).any()):
+                raise ValueError(f"checkpoint shard {os.path.join(reader.folder, fname)!r} holds negative "
+                                 f"second moments in {name!r}; the checkpoint is damaged - load an earlier one.")
+            flat[rng[0]: rng[1]] = piece
     return flat.view(_size(region))
 
 
@@ -159,6 +191,13 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOp
     """Restore master weights and moments for every piece this rank updates, from any saved layout."""
     if not meta["optimizer"]["files"]:
         return  # e.g. converted from HF: fresh Adam state, masters already equal the loaded weights
+    agree(pstate, _load_pieces, folder, meta, optimizer, chunks, pstate)  # before the gathers below
+    optimizer.load_state_scalars(meta["optimizer"]["scalars"])
+    optimizer.sync_params_from_master()
+
+
+def _load_pieces(folder: str, meta: dict[str, Any], optimizer: ShardedOptimizerState,
+                 chunks: list[nn.Module], pstate: ParallelState) -> None:
     reader, saved_tp = ShardReader(folder), meta["layout"]["tp"]
     names = {id(p): n for n, p in named_parameters(chunks).items()}
     for param, param_lo, views in optimizer.state_segments():
@@ -177,8 +216,6 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOp
                     local[relative(overlap, target)] = saved[relative(overlap, region)]
             with torch.no_grad():
                 views[kind].copy_(local.view(-1)[param_lo: param_lo + n].to(views[kind].device))
-    optimizer.load_state_scalars(meta["optimizer"]["scalars"])
-    optimizer.sync_params_from_master()
 
 
 def holds_checkpoint(path: str) -> bool:
@@ -202,9 +239,16 @@ def starts_fresh(load: str | None, save: str | None) -> bool:
     return not holds_checkpoint(load)
 
 
-def same_layout(meta: dict[str, Any], plan: RunPlan) -> bool:
-    """Whether the checkpoint was saved in this run's layout (then its RNG states resume exactly)."""
-    return meta["layout"] == plan.layout_record()
+# What a rank's RNG file depends on: which rank holds which (tp, pp, dp) coordinates and which layers'
+# dropout streams (virtual stages), and how many micro-batches a step draws (dp). Not the ZeRO
+# stage or offload: they move optimizer state, not random draws.
+STREAM_KEYS = ("tp", "pp", "dp", "virtual_stages")
+
+
+def same_streams(meta: dict[str, Any], plan: RunPlan) -> bool:
+    """Whether each rank's saved RNG file holds this run's generators (then the run resumes them exactly)."""
+    saved, now = meta["layout"], plan.layout_record()
+    return all(saved.get(key) == now[key] for key in STREAM_KEYS)
 
 
 def has_rng(meta: dict[str, Any]) -> bool:
@@ -213,11 +257,21 @@ def has_rng(meta: dict[str, Any]) -> bool:
 
 
 def load_rng(folder: str, pstate: ParallelState, tp_rng: Any) -> None:
-    """Exact resume in the same layout: restore this rank's generators."""
+    """Exact resume: restore this rank's generators (every rank raises if any rank's file is bad)."""
+    agree(pstate, _load_rng, folder, pstate, tp_rng)
+
+
+def _load_rng(folder: str, pstate: ParallelState, tp_rng: Any) -> None:
     handle = ShardReader(folder)._open(storage.rng_file(pstate.rank))
-    torch.set_rng_state(handle.get_tensor("cpu"))
-    if pstate.device.type == "cuda" and "cuda" in handle.keys():
-        torch.cuda.set_rng_state(handle.get_tensor("cuda"), pstate.device)
-    if tp_rng is not None:  # a DropoutRNG: every stream saved; unsaved ones were never drawn from
-        prefix = "dropout/"
-        tp_rng.load_state_dict({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys() if k.startswith(prefix)})
+    try:
+        torch.set_rng_state(handle.get_tensor("cpu"))
+        if pstate.device.type == "cuda" and "cuda" in handle.keys():
+            torch.cuda.set_rng_state(handle.get_tensor("cuda"), pstate.device)
+        if tp_rng is not None:  # a DropoutRNG: every stream saved; unsaved ones were never drawn from
+            prefix = "dropout/"
+            tp_rng.load_state_dict({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys()
+                                    if k.startswith(prefix)})
+    except Exception as err:  # noqa: BLE001 - a missing key or a state of the wrong size
+        path = os.path.join(folder, storage.rng_file(pstate.rank))
+        raise ValueError(f"RNG file {path!r} is unusable ({str(err).splitlines()[0][:200]}); "
+                         f"load an earlier checkpoint.") from None

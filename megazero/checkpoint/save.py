@@ -13,14 +13,17 @@
 
 No checkpoint holds a NaN or inf: each rank checks what it writes, the ranks
 vote in the all-gather that already ends the writing, and a bad vote removes
-the staging folder and raises on every rank (``latest`` is untouched).
+the staging folder and raises on every rank (``latest`` is untouched). A failed
+write (a full disk) is voted the same way, as an OSError naming the file.
 """
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import save_file
@@ -91,53 +94,128 @@ def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Param
             tensors[f"{name}/{kind}"] = views[kind].detach().clone() if transient else views[kind].detach()
     bad = non_finite(tensors)
     fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
-    save_file({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
+    _write({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
     return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}, bad
 
 
-def _refuse_non_finite(pieces: list[dict], staging: str, iteration: int, pstate: ParallelState) -> None:
-    """No checkpoint holds NaN/inf: if any rank wrote one, every rank raises and nothing is published."""
+def _write(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """``save_file``, failing as an OSError that names the file (safetensors raises its own
+    SafetensorError for a full disk or a size limit, which would print as a traceback)."""
+    try:
+        save_file(tensors, path)
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' error type is not importable by a stable name
+        code = re.search(r"os error (\d+)", str(err))
+        num = int(code.group(1)) if code else errno.EIO
+        raise OSError(num, os.strerror(num) if code else str(err), path) from None
+
+
+def _describe(err: BaseException, iteration: int) -> tuple:
+    """A failed write as something every rank can receive (and re-raise) in one collective."""
+    if isinstance(err, OSError):
+        reason = f"{err.strerror or err}; checkpoint of iteration {iteration} not saved, 'latest' still names " \
+                 f"the last good one"
+        return ("os", err.errno or errno.EIO, reason, err.filename)
+    return ("other", f"checkpoint of iteration {iteration} not saved: {type(err).__name__}: {err}")
+
+
+def _raise(what: tuple, own: BaseException | None) -> None:
+    """Raise the failure on this rank: its own error, or the one another rank described."""
+    if what[0] == "os":
+        raise OSError(what[1], what[2], what[3]) from None
+    if own is not None:
+        raise own
+    raise RuntimeError(what[1])
+
+
+def _refuse(pieces: list[dict], staging: str, iteration: int, pstate: ParallelState,
+            own: BaseException | None) -> None:
+    """A failed write or a NaN/inf on any rank: the staging folder goes, every rank raises, nothing is published."""
+    failed = [piece["error"] for piece in pieces if piece["error"] is not None]
     bad = [f"{name} (rank {rank})" for rank, piece in enumerate(pieces) for name in piece["non_finite"]]
-    if not bad:
+    if not failed and not bad:
         return
     if pstate.rank == 0:
         shutil.rmtree(staging, ignore_errors=True)
     C.barrier(pstate.world_group)  # the staging folder is gone before any rank exits
+    if failed:
+        mine = pieces[pstate.rank]["error"]
+        _raise(mine or failed[0], own)
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
     raise ValueError(f"checkpoint of iteration {iteration} not saved: non-finite values in {', '.join(bad[:3])}"
                      f"{more}; the run diverged - 'latest' still names the last good checkpoint, resume from it "
                      f"(e.g. with a lower --lr).")
 
 
-def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, plan: RunPlan,
-                    pstate: ParallelState, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
-                    tp_rng: Any = None, keep_last: int | None = None) -> str:
-    """Write this rank's shards; rank 0 publishes the checkpoint once all ranks are done."""
-    stamp = C.broadcast_object(f"{int(time.time() * 1000)}" if pstate.rank == 0 else None, 0, pstate.world_group)
-    staging = storage.staging_dir(root, iteration, stamp)
+def _write_rank(staging: str, named: dict[str, nn.Parameter], copies: dict, optimizer: ShardedOptimizerState,
+                pstate: ParallelState, tp_rng: Any) -> dict[str, Any]:
+    """Every file this rank owns, into ``staging``; its index entries and the names holding NaN/inf."""
     os.makedirs(staging, exist_ok=True)
-    named, bad = named_parameters(chunks), []
-    copies = optimizer.host_copies(keep=pstate.dp_rank == 0)  # every DP rank takes part (ZeRO 3 gathers)
+    bad: list[str] = []
     if pstate.dp_rank == 0:
         weights = {n: copies[p] for n, p in named.items()}
         bad = non_finite(weights)
-        save_file(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
-    del copies
+        _write(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
     optim_info = None
     if pstate.dp_rank == 0 or optimizer.shards_state_over_dp:
         optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
         bad += optim_bad
-    save_file(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
-    mine = {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info,
-            "non_finite": bad}
-    pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the finiteness vote
-    _refuse_non_finite(pieces, staging, iteration, pstate)
-    final = os.path.join(root, storage.iteration_dir(iteration))
+    _write(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
+    return {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info,
+            "non_finite": bad, "error": None}
+
+
+def _loaded(cfg: Config, root: str, loaded: str | None) -> tuple[str, ...]:
+    """What this run loaded, for --keep-last to spare: ``loaded`` when the caller knows it, else a
+    --load that names a checkpoint folder itself (a rollback: ``--load DIR/iter_0000004 --save DIR``).
+    A --load of the --save folder itself names no fixed folder (its ``latest`` moves with each save)."""
+    load = cfg.checkpoint.load
+    if loaded or not load or os.path.realpath(load) == os.path.realpath(root):
+        return (loaded,) if loaded else ()
+    try:
+        return (storage.resolve(load),)
+    except ValueError:
+        return ()
+
+
+def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, plan: RunPlan,
+                    pstate: ParallelState, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
+                    tp_rng: Any = None, keep_last: int | None = None, loaded: str | None = None,
+                    log: Callable[[str], None] = print) -> str:
+    """Write this rank's shards; rank 0 publishes the checkpoint once all ranks are done.
+
+    A failure on any rank (a full disk) reaches every rank through the collectives every rank is
+    in anyway, removes the staging folder and raises everywhere (an OSError naming the file).
+    ``loaded``: the folder this run resumed from, which --keep-last never removes.
+    """
+    stamp = C.broadcast_object(f"{int(time.time() * 1000)}" if pstate.rank == 0 else None, 0, pstate.world_group)
+    staging = storage.staging_dir(root, iteration, stamp)
+    named, own = named_parameters(chunks), None
+    copies = optimizer.host_copies(keep=pstate.dp_rank == 0)  # every DP rank takes part (ZeRO 3 gathers)
+    try:
+        mine = _write_rank(staging, named, copies, optimizer, pstate, tp_rng)
+    except Exception as err:  # noqa: BLE001 - reported to every rank in the all-gather below
+        own, mine = err, {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, iteration)}
+    del copies
+    pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the vote
+    _refuse(pieces, staging, iteration, pstate, own)
+    final, outcome = os.path.join(root, storage.iteration_dir(iteration)), None
     if pstate.rank == 0:
-        meta = _metadata(cfg, plan, iteration, consumed_samples, optimizer, pieces)
-        storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
-        final = storage.publish(root, staging, iteration, keep_last)
-    C.barrier(pstate.world_group)  # nobody moves on (or exits) before the checkpoint is published
+        try:
+            meta = {**_metadata(cfg, plan, iteration, consumed_samples, optimizer, pieces), "saved_at": int(stamp)}
+            spare = _loaded(cfg, root, loaded)
+            storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
+            final = storage.publish(root, staging, iteration, keep_last=None)
+            removed = storage.rotate(root, keep_last, spare) if keep_last else []
+            if removed:
+                log(f"megazero: --keep-last {keep_last}: removed {', '.join(removed)}")
+        except Exception as err:  # noqa: BLE001 - every rank raises it after the broadcast below
+            shutil.rmtree(staging, ignore_errors=True)
+            own, outcome = err, _describe(err, iteration)
+    outcome = C.broadcast_object(outcome, 0, pstate.world_group)  # nobody moves on before the publish
+    if outcome is not None:
+        _raise(outcome, own)
     return final
 
 

@@ -32,3 +32,34 @@ def relative(inner: Region, outer: Region) -> tuple[slice, ...]:
     """``inner`` (inside ``outer``) as slices into a tensor holding ``outer``."""
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(inner, outer))
 
+
+
+def volume(region: Region) -> int:
+    out = 1
+    for lo, hi in region:
+        out *= hi - lo
+    return out
+
+
+def cover_problem(pieces: list[Region], full: Region) -> str | None:
+    """Why ``pieces`` do not cover ``full`` exactly once (None when they do).
+
+    Identical pieces are copies of one piece (a tensor replicated over TP, the tied
+    embedding on the first and last pipeline stage) and count once; distinct pieces must
+    lie inside ``full``, must not overlap, and their volumes must add up to it (so no gap).
+    """
+    distinct = sorted({tuple(tuple(r) for r in p) for p in pieces})
+    for p in distinct:
+        if any(lo < f0 or hi > f1 for (lo, hi), (f0, f1) in zip(p, full)):
+            return f"piece {[list(r) for r in p]} lies outside {[list(r) for r in full]}"
+    if len(full) == 1:  # flat ranges: sorted, each must start where the previous one ended
+        pairs = zip(distinct, distinct[1:])
+    else:  # a handful of TP regions: compare every pair
+        pairs = ((a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
+    for a, b in pairs:
+        if intersect(list(a), list(b)) is not None:
+            return f"pieces {[list(r) for r in a]} and {[list(r) for r in b]} overlap"
+    covered = sum(volume(list(p)) for p in distinct)
+    if covered != volume(full):
+        return f"pieces cover {covered} of its {volume(full)} elements (a gap)"
+    return None

@@ -12,7 +12,8 @@ replaces ``latest``. A crash at any moment leaves ``latest`` naming the
 previous complete checkpoint; half-written folders keep their ``.tmp`` name
 and are ignored (and cleaned up by the next save). Re-saving an iteration
 renames the old copy to ``iter_N.old-<stamp>`` first and deletes it only once
-the new one is in place; until then ``resolve`` falls back to it.
+the new one is in place; until then ``resolve`` falls back to it. --keep-last
+ranks checkpoints by save order (``saved_at``), never by iteration number.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import os
 import re
 import shutil
 from typing import Any
+
+from .validate import check
 
 FORMAT = "megazero-checkpoint"
 VERSION = 1
@@ -67,7 +70,10 @@ def staging_dir(root: str, iteration: int, stamp: str) -> str:
 
 
 def publish(root: str, staging: str, iteration: int, keep_last: int | None) -> str:
-    """Rank 0, after every rank's files are in ``staging``: rename into place, then point ``latest``."""
+    """Rank 0, after every rank's files are in ``staging``: rename into place, then point ``latest``.
+
+    With ``keep_last``, rotates quietly; ``save_checkpoint`` calls ``rotate`` itself to report and protect.
+    """
     final = os.path.join(root, iteration_dir(iteration))
     _fsync_dir(staging)
     aside = None
@@ -85,12 +91,14 @@ def publish(root: str, staging: str, iteration: int, keep_last: int | None) -> s
     _fsync_dir(root)
     if aside is not None:
         shutil.rmtree(aside)
-    _clean(root, keep_last)
+    _clean(root)
+    if keep_last:
+        rotate(root, keep_last)
     return final
 
 
-def _clean(root: str, keep_last: int | None) -> None:
-    """Drop abandoned staging folders and, with --keep-last K, all but the newest K checkpoints."""
+def _clean(root: str) -> None:
+    """Drop abandoned staging folders and restore or drop the aside copies of interrupted re-saves."""
     for name in os.listdir(root):
         path = os.path.join(root, name)
         if ".tmp-" in name:
@@ -101,11 +109,46 @@ def _clean(root: str, keep_last: int | None) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             elif not os.path.exists(base):
                 os.rename(path, base)
-    names = os.listdir(root)
-    if keep_last:
-        done = sorted(n for n in names if re.fullmatch(r"iter_\d{7}", n))
-        for name in done[:-keep_last]:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def saved_at(folder: str) -> float:
+    """When a checkpoint was saved (ms): its metadata's ``saved_at``, else (older ones) the metadata's mtime."""
+    path = os.path.join(folder, METADATA)
+    try:
+        with open(path) as fh:
+            stamp = json.load(fh).get("saved_at")
+        if isinstance(stamp, int) and not isinstance(stamp, bool):
+            return float(stamp)
+        return os.path.getmtime(path) * 1000
+    except (OSError, ValueError, AttributeError):  # unreadable: its folder's mtime
+        return os.path.getmtime(folder) * 1000
+
+
+def latest_target(root: str) -> str | None:
+    """The folder ``root/latest`` names, or None when there is none to read."""
+    try:
+        with open(os.path.join(root, LATEST)) as fh:
+            name = fh.read().strip()
+    except (OSError, ValueError):
+        return None
+    return os.path.join(root, name) if name else None
+
+
+def rotate(root: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str]:
+    """--keep-last K: remove all but the K most recently *saved* checkpoints; returns the removed names.
+
+    Save order, not iteration numbers: a run resumed from an earlier iteration (a rollback) saves
+    lower numbers than the ones it leaves behind, and those new checkpoints are what it must keep.
+    What ``latest`` names and the folders in ``protect`` (what the run loaded) are never removed;
+    nothing but ``iter_NNNNNNN`` folders is ever touched (a lock file or the user's notes stay).
+    """
+    done = [n for n in os.listdir(root) if re.fullmatch(r"iter_\d{7}", n) and os.path.isdir(os.path.join(root, n))]
+    order = sorted(done, key=lambda n: (saved_at(os.path.join(root, n)), n))
+    kept = {os.path.realpath(p) for p in (*protect, latest_target(root)) if p}
+    removed = [n for n in order[:-keep_last] if os.path.realpath(os.path.join(root, n)) not in kept]
+    for name in removed:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return removed
 
 
 def resolve(path: str) -> str:
@@ -116,26 +159,37 @@ def resolve(path: str) -> str:
     if not os.path.isfile(latest):
         raise ValueError(f"--load {path!r} holds no checkpoint (no {LATEST} file and no {METADATA}); "
                          f"pass the --save folder of an earlier run.")
-    folder = os.path.join(path, open(latest).read().strip())
+    try:
+        with open(latest) as fh:
+            name = fh.read().strip()
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{latest!r} is unreadable ({err}); point --load at an iter_* folder.") from None
+    if not re.fullmatch(r"iter_\d{7}", name):
+        raise ValueError(f"{latest!r} names {name[:80]!r}, not an iter_NNNNNNN folder; "
+                         f"point --load at an iter_* folder.")
+    folder = os.path.join(path, name)
     if not os.path.isfile(os.path.join(folder, METADATA)):  # a crash while re-saving it: the old copy, aside
-        asides = sorted(n for n in os.listdir(path) if n.startswith(os.path.basename(folder) + ASIDE))
+        asides = sorted(n for n in os.listdir(path) if n.startswith(name + ASIDE))
         folder = os.path.join(path, asides[-1]) if asides else folder
     if not os.path.isfile(os.path.join(folder, METADATA)):
-        raise ValueError(f"--load {path!r}: {LATEST} names {folder!r}, which has no {METADATA}; "
-                         f"the checkpoint is incomplete - point --load at an earlier iter_* folder.")
+        what = "which is missing" if not os.path.exists(folder) else f"which has no {METADATA}"
+        raise ValueError(f"{latest!r} names {folder!r}, {what}; the checkpoint is gone or incomplete - "
+                         f"point --load at an earlier iter_* folder.")
     return folder
 
 
 def read_metadata(folder: str) -> dict[str, Any]:
+    """The metadata of a checkpoint folder, checked (``validate.check``): one ValueError naming the file."""
     path = os.path.join(folder, METADATA)
     try:
         with open(path) as fh:
             meta = json.load(fh)
-    except (OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"checkpoint metadata {path!r} is unreadable ({err}); load an earlier checkpoint.")
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ValueError(f"{path!r} is not a megazero v{VERSION} checkpoint "
-                         f"(format={meta.get('format')!r}, version={meta.get('version')!r}).")
+    except (OSError, ValueError) as err:  # ValueError: invalid JSON or not UTF-8
+        raise ValueError(f"checkpoint metadata {path!r} is unreadable ({err}); load an earlier checkpoint.") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        got = meta if not isinstance(meta, dict) else {k: meta.get(k) for k in ("format", "version")}
+        raise ValueError(f"{path!r} is not a megazero v{VERSION} checkpoint ({str(got)[:120]}).")
+    check(meta, path)
     return meta
 
 

@@ -1,0 +1,146 @@
+"""Check a checkpoint's metadata.json before anything is loaded from it.
+
+Every rank reads the metadata before any collective (``storage.read_metadata``), so a
+damaged or edited file fails on every rank with the same one line, naming the file:
+a missing key or a value of the wrong type, a scalar out of range (a negative step,
+a loss scale <= 0, a NaN), or an index whose pieces do not cover every tensor exactly
+once - a model tensor over its (tp, pp) files, an optimizer tensor's flat range over
+the (tp, pp, dp) shards of each saved TP rank. A gap would load as zeros, an overlap
+as whichever piece is read last; neither may load silently.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from .slices import Region, cover_problem, tp_region, volume
+
+DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+
+
+class Bad(ValueError):
+    """One problem in the metadata; ``check`` adds the file's path."""
+
+
+def _int(value: Any, what: str, low: int = 0, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Bad(f"{what} is {value!r}, not an integer")
+    if value < low or (high is not None and value > high):
+        span = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise Bad(f"{what} is {value}, it must be {span}")
+    return value
+
+
+def _get(obj: Any, key: str, kind: type | tuple[type, ...], what: str) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise Bad(f"{what} is missing")
+    if not isinstance(obj[key], kind):
+        raise Bad(f"{what} is {obj[key]!r}, not a {getattr(kind, '__name__', kind)}")
+    return obj[key]
+
+
+def _file_name(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not name or os.path.basename(name) != name or name in (".", ".."):
+        raise Bad(f"{what} names {name!r}, not a file inside the checkpoint folder")
+
+
+def _region(value: Any, ndim: int, what: str) -> Region:
+    if not isinstance(value, list) or len(value) != ndim or not all(
+            isinstance(r, list) and len(r) == 2 for r in value):
+        raise Bad(f"{what} is {value!r}, not {ndim} [start, stop] pairs")
+    region = [(_int(lo, what), _int(hi, what)) for lo, hi in value]
+    if any(lo >= hi for lo, hi in region):
+        raise Bad(f"{what} {value} is empty or reversed")
+    return region
+
+
+def _model(meta: dict[str, Any]) -> dict[str, Any]:
+    """Each tensor's entry is well formed and its (tp, pp) files cover it exactly once."""
+    model = _get(meta, "model", dict, "'model'")
+    if not model:
+        raise Bad("'model' lists no tensors")
+    for name, entry in model.items():
+        what = f"model tensor {name!r}"
+        shape = _get(entry, "shape", list, f"{what} 'shape'")
+        for n in shape:
+            _int(n, f"{what} shape", low=1)
+        if "split_dim" not in entry:
+            raise Bad(f"{what} 'split_dim' is missing")
+        split = entry["split_dim"]
+        if split is not None:
+            _int(split, f"{what} 'split_dim'", 0, len(shape) - 1)
+        if _get(entry, "dtype", str, f"{what} 'dtype'") not in DTYPES:
+            raise Bad(f"{what} has dtype {entry['dtype']!r}, not one of {sorted(DTYPES)}")
+        _get(entry, "padded_rows", bool, f"{what} 'padded_rows'")
+        files = _get(entry, "files", dict, f"{what} 'files'")
+        for fname in files:
+            _file_name(fname, f"{what} 'files'")
+        pieces = [_region(r, len(shape), f"{what} region in {f!r}") for f, r in files.items()]
+        problem = cover_problem(pieces, [(0, n) for n in shape]) if pieces else "no file holds it"
+        if problem:
+            raise Bad(f"{what} (shape {shape}): {problem}")
+    return model
+
+
+def _optimizer_files(meta: dict[str, Any], model: dict[str, Any], tp: int) -> None:
+    """Every tensor's master weights and moments: the saved shards of each TP rank tile its flat range."""
+    optimizer = _get(meta, "optimizer", dict, "'optimizer'")
+    files = _get(optimizer, "files", dict, "'optimizer.files'")
+    if not files:  # a converted checkpoint: no optimizer state (nor step, nor RNG files), Adam starts fresh
+        if _get(optimizer, "scalars", dict, "'optimizer.scalars'") or meta.get("rng_files"):
+            raise Bad("'optimizer.files' is empty, but the checkpoint was saved by training (it has optimizer "
+                      "scalars or RNG files): its optimizer state would load as fresh")
+        return
+    pieces: dict[tuple[str, int], list[Region]] = {}
+    for fname, info in files.items():
+        _file_name(fname, "'optimizer.files'")
+        rank = _int(_get(info, "tp_rank", int, f"optimizer file {fname!r} 'tp_rank'"),
+                    f"optimizer file {fname!r} 'tp_rank'", 0, tp - 1)
+        for name, rng in _get(info, "ranges", dict, f"optimizer file {fname!r} 'ranges'").items():
+            if name not in model:
+                raise Bad(f"optimizer file {fname!r} holds state for {name!r}, which is not a model tensor")
+            pieces.setdefault((name, rank), []).append(_region([rng], 1, f"range of {name!r} in {fname!r}"))
+    for name, entry in model.items():
+        for rank in range(tp):
+            numel = volume(tp_region(entry["shape"], entry["split_dim"], rank, tp))
+            got = pieces.get((name, rank), [])
+            problem = cover_problem(got, [(0, numel)]) if got else "no optimizer file holds it"
+            if problem:
+                raise Bad(f"optimizer state of {name!r} (TP rank {rank} of {tp}, {numel} elements): {problem}")
+
+
+def _scalars(meta: dict[str, Any]) -> None:
+    scalars = _get(meta["optimizer"], "scalars", dict, "'optimizer.scalars'")
+    if "step" in scalars:
+        _int(scalars["step"], "'optimizer.scalars.step'")
+    scaler = scalars.get("scaler")
+    if scaler is None:
+        return
+    scale = _get(scaler, "scale", (int, float), "'optimizer.scalars.scaler.scale'")
+    if isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise Bad(f"the loss scale is {scale!r}; it must be a finite number > 0")
+    _int(_get(scaler, "clean_steps", int, "'optimizer.scalars.scaler.clean_steps'"),
+         "'optimizer.scalars.scaler.clean_steps'")
+
+
+def check(meta: Any, path: str) -> None:
+    """Raise one ValueError naming ``path`` unless the metadata is complete, in range and covers every tensor."""
+    try:
+        if not isinstance(meta, dict):
+            raise Bad(f"it holds a {type(meta).__name__}, not a JSON object")
+        _int(_get(meta, "iteration", int, "'iteration'"), "'iteration'")
+        _int(_get(meta, "consumed_samples", int, "'consumed_samples'"), "'consumed_samples'")
+        _get(meta, "config", dict, "'config'")
+        layout = _get(meta, "layout", dict, "'layout'")
+        for key in ("tp", "pp", "dp", "virtual_stages"):
+            _int(_get(layout, key, int, f"'layout.{key}'"), f"'layout.{key}'", low=1)
+        _int(_get(layout, "zero", int, "'layout.zero'"), "'layout.zero'", 0, 3)
+        if "rng_files" in meta:
+            _get(meta, "rng_files", bool, "'rng_files'")
+        model = _model(meta)
+        _optimizer_files(meta, model, layout["tp"])
+        _scalars(meta)
+    except Bad as err:
+        raise ValueError(f"checkpoint metadata {path!r}: {err}; the checkpoint is damaged or was edited - "
+                         f"load an earlier checkpoint.") from None

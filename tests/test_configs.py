@@ -24,7 +24,10 @@ def documented_count(path: str) -> int:
 
 @pytest.mark.parametrize("path", PRESETS, ids=[os.path.basename(p) for p in PRESETS])
 def test_preset_parameter_count(path):
-    cfg, _ = parse_config(["--config", path])
+    text = open(path).read()
+    assert "offload_path" not in text, f"{path} hard-codes a machine path; the user passes --offload-path"
+    disk = "offload_optimizer: disk" in text
+    cfg, _ = parse_config(["--config", path, *(["--offload-path", "OFFLOAD_DIR"] if disk else [])])
     if cfg.model.vocab_size is None:
         cfg = cfg.updated(vocab_size=8000)  # the default corpus's tokenizer
     small = documented_count(path) < 20e6

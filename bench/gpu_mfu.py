@@ -121,4 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)  # as pretrain_gpt.py: gloo's teardown at interpreter exit can abort after a good run

@@ -50,11 +50,9 @@ HEAD="${HOSTS%%$'\n'*}"
 IS_HOST=false
 [[ "$SLURM_NODEID" == 0 ]] && IS_HOST=true
 
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each restart gets a fresh store. With the store torchrun shares
-# by default, restarted workers can read the dead workers' addresses and fail to connect or hang
-# (pytorch/pytorch#135712; seen with torch 2.13 in tests/training/test_restart.py).
-CMD=(env "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
-     "${PYTHON:-python3}" -m torch.distributed.run
+# No environment workaround for restarts: the workers find a store of their attempt's own through
+# torchrun's (megazero/parallel/state.py), whether torchrun shares its store with them or not.
+CMD=("${PYTHON:-python3}" -m torch.distributed.run
      --nnodes "$SLURM_NNODES" --nproc-per-node "$NPROC"
      --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" --rdzv-id "$SLURM_JOB_ID" --rdzv-conf "is_host=$IS_HOST"
      --max-restarts "$MAX_RESTARTS"

@@ -11,6 +11,9 @@ Each state counts its own collectives in its ``ledger``.
 from __future__ import annotations
 
 import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -147,12 +150,64 @@ def init_distributed(device: torch.device, timeout: timedelta | None = None) -> 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None, timeout=timeout)
+    device_id = device if device.type == "cuda" else None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # a store this attempt's rank 0 hosts (env://)
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend=backend, store=attempt_store(rank, world, timeout or timedelta(minutes=10)),
+                            rank=rank, world_size=world, device_id=device_id, timeout=timeout)
+
+
+_ATTEMPT_KEY = "megazero/attempt_store"  # in the agent's store: "host:port:token" of this attempt's store
+_CONNECT_TRY = timedelta(seconds=5)  # how long one try waits on an address before re-reading the key
+
+
+def attempt_store(rank: int, world: int, timeout: timedelta) -> dist.TCPStore:
+    """A store that only this restart attempt's workers use, found through the store torchrun's agent keeps.
+
+    Under torchrun the agent's store outlives its workers (static rendezvous always; c10d unless
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), so a restart that joins it reads the dead attempt's keys (gloo's
+    and NCCL's peer addresses under the same names) and connects to dead peers or hangs (pytorch#135712).
+    TORCHELASTIC_RESTART_COUNT cannot name the attempt: each node's agent counts for itself. So rank 0 hosts
+    a fresh store and publishes its address with a random token; the others re-read the key until its address
+    answers with its token. A stale entry names a dead rank 0, whose address refuses the connection.
+    """
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    key = f"{_ATTEMPT_KEY}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+    if rank == 0:  # c10d may place rank 0 on another node than the agent's store: publish its own address
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], 0, world, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        token = uuid.uuid4().hex
+        store.set("token", token)
+        host = _own_address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        agent.set(key, f"{host}:{store.port}:{token}")
+        return store
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        host, port, token = agent.get(key).decode().rsplit(":", 2)  # waits up to `timeout` for a first entry
+        try:  # a plain connect first: TCPStore's own failed connects print C++ stack traces
+            socket.create_connection((host, int(port)), timeout=_CONNECT_TRY.total_seconds()).close()
+            store = dist.TCPStore(host, int(port), world, is_master=False, timeout=_CONNECT_TRY)
+            if store.get("token").decode() == token:
+                store.set_timeout(timeout)
+                return store
+        except (OSError, RuntimeError):  # refused: a dead rank 0's entry; DistError is a RuntimeError
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: no live store at {host}:{port} (torchrun agent key {key}) "
+                               f"within {timeout}; is rank 0 running?")
+        time.sleep(0.2)
+
+
+def _own_address(master_addr: str, master_port: int) -> str:
+    """This host's address on the route to the agent's store: the one the other nodes reach it by."""
+    with socket.create_connection((master_addr, master_port), timeout=_CONNECT_TRY.total_seconds()) as conn:
+        return conn.getsockname()[0]
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,9 +1,10 @@
 """Restarts: the --load == --save idiom, a worker killed under torchrun, the Slurm launcher, the timeout.
 
-The kill-and-resume test runs one command line twice on 2 ranks (dp 2, zero 1): once through
-tools/launch_slurm.sh with a fake one-node Slurm environment, uninterrupted (the reference), and
-once under ``torchrun --standalone --max-restarts 1``, where the test SIGKILLs rank 1 as soon as
-a checkpoint at iteration >= 4 is published. torchrun restarts both workers; they resume from
+The kill-and-resume test runs one command line on 2 ranks (dp 2, zero 1): once through
+tools/launch_slurm.sh with a fake one-node Slurm environment, uninterrupted (the reference, shared
+by the module), and then under ``torchrun --max-restarts 1`` with static and with c10d rendezvous,
+each with and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, where the test SIGKILLs rank 1 as soon
+as a checkpoint at iteration >= 4 is published. torchrun restarts both workers; they resume from
 ``latest``. The metrics file is appended to by every start, so the interrupted run's file holds
 iterations 1..m and then K+1..N again (K = the checkpoint it resumed from); the test compares the
 last record of each iteration with the reference, bitwise (exact resume on CPU, as in
@@ -22,6 +23,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from megazero.checkpoint import storage
 from megazero.config import Config
@@ -57,8 +59,11 @@ def test_restart_idiom_starts_fresh_only_in_the_save_folder(tmp_path):
     with pytest.raises(ValueError, match="incomplete"):
         find_checkpoint(_cfg(ckpt, ckpt))
     (ckpt / "iter_0000002").mkdir()
-    (ckpt / "iter_0000002" / storage.METADATA).write_text(json.dumps(
-        {"format": storage.FORMAT, "version": storage.VERSION, "iteration": 2}))
+    (ckpt / "iter_0000002" / storage.METADATA).write_text(json.dumps(storage.metadata_dict(
+        config={}, layout={"tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1, "zero": 0}, iteration=2,
+        consumed_samples=32, optimizer_scalars={},
+        model={"w": {"shape": [2], "split_dim": None, "dtype": "float32", "padded_rows": False,
+                     "files": {"model_tp00_pp00.safetensors": [[0, 2]]}}}, optimizer_files={}, rng_files=False)))
     folder, meta = find_checkpoint(_cfg(ckpt, ckpt))
     assert folder == str(ckpt / "iter_0000002") and meta["iteration"] == 2
 
@@ -94,8 +99,8 @@ def test_slurm_launcher_derives_the_torchrun_command(tmp_path):
                        "--", *train)
         assert out.returncode == 0, out.stderr
         cmd = shlex.split(out.stdout)
-        assert cmd[:5] == ["env", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", sys.executable, "-m", "torch.distributed.run"]
-        got = get_args_parser().parse_args(cmd[5:])
+        assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]  # no environment workaround
+        got = get_args_parser().parse_args(cmd[3:])
         assert (got.nnodes, got.nproc_per_node, got.max_restarts) == ("2", nproc, 5)
         assert (got.rdzv_backend, got.rdzv_id) == ("c10d", "4242")
         assert got.rdzv_endpoint == f"gpu07:{flags[1] if flags[:1] == ['--port'] else 29500}"
@@ -167,24 +172,49 @@ def _losses(metrics) -> list[dict]:
     return [r for r in map(json.loads, open(metrics)) if "loss" in r]
 
 
-def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path):
-    ref_dir, run_dir = tmp_path / "reference", tmp_path / "killed"
-    env = _fake_slurm(tmp_path, "localhost", 0, SLURM_JOB_NODELIST="localhost")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, through tools/launch_slurm.sh: its metrics file and the fake Slurm environment."""
+    tmp = tmp_path_factory.mktemp("restart")
+    ref_dir, env = tmp / "reference", _fake_slurm(tmp, "localhost", 0, SLURM_JOB_NODELIST="localhost")
     ref = subprocess.run(["bash", os.path.join(ROOT, "tools/launch_slurm.sh"), "--nproc-per-node", "2",
                           "--max-restarts", "1", "--port", str(_free_port()), *TRAIN, "--save", str(ref_dir),
                           "--load", str(ref_dir), "--metrics-file", str(ref_dir / "m.jsonl")],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=GUARD)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
     assert ref.stdout.count(FRESH) == 1 and not LOADING.search(ref.stdout)
+    assert _published(ref_dir) == ITERS
+    return _losses(ref_dir / "m.jsonl"), env
 
+
+# torchrun's two rendezvous kinds as users spell them: the default (static, one store the agent keeps for
+# the whole job) and c10d (--standalone; the agent shares its store with the workers unless the variable is 1)
+RENDEZVOUS = {"static": lambda: ["--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
+                                 "--master_port", str(_free_port())],
+              "c10d": lambda: ["--standalone"]}
+
+
+@pytest.mark.parametrize("share", ["shared", "unshared"])
+@pytest.mark.parametrize("rdzv", sorted(RENDEZVOUS))
+def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path, reference, rdzv, share):
+    """No environment workaround needed: the restart resumes bitwise with or without the variable.
+
+    ``unshared`` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which static rendezvous ignores). A short
+    --distributed-timeout-minutes bounds a restart that cannot connect (the bug this guards against).
+    """
+    want, env = reference
+    run_dir = tmp_path / "killed"
     run_dir.mkdir()
+    env = {k: v for k, v in env.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+    if share == "unshared":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with open(run_dir / "out.txt", "w") as out:
-        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+        agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *RENDEZVOUS[rdzv](),
                                   "--nproc_per_node", "2", "--max-restarts", "1", "pretrain_gpt.py", *TRAIN,
+                                  "--distributed-timeout-minutes", "1",
                                   "--save", str(run_dir), "--load", str(run_dir),
                                   "--metrics-file", str(run_dir / "m.jsonl")],
-                                 env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # as the launcher sets
-                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                 env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         try:
             killed = _kill_rank_after_checkpoint(agent, run_dir, rank=1, at_least=4)
             agent.wait(timeout=GUARD)
@@ -195,11 +225,10 @@ def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path):
     assert killed is not None, f"the run ended before a checkpoint >= 4 was seen:\n{text[-3000:]}"
     assert agent.returncode == 0, text[-4000:]
     assert text.count(FRESH) == 1  # the first start; the restart found the checkpoint
-    assert "warning: torchrun --max-restarts" not in text  # the shared-store warning stays quiet with the variable
     resumed_from = [int(k) for k in LOADING.findall(text)]
     assert len(resumed_from) == 1 and 4 <= resumed_from[0] < ITERS, text[-4000:]
 
-    logged, want = _losses(run_dir / "m.jsonl"), _losses(ref_dir / "m.jsonl")
+    logged = _losses(run_dir / "m.jsonl")
     its = [r["iteration"] for r in logged]
     jumps = [p for p in range(1, len(its)) if its[p] != its[p - 1] + 1]
     restart = jumps[0] if jumps else resumed_from[0]  # where the restart's records begin (no jump: m == K)
@@ -209,7 +238,47 @@ def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path):
     assert [r["iteration"] for r in want] == list(range(1, ITERS + 1))
     for key in ("loss", "grad_norm", "consumed_samples", "lr"):
         assert [last[r["iteration"]][key] for r in want] == [r[key] for r in want], key  # bitwise on CPU
-    assert _published(run_dir) == _published(ref_dir) == ITERS
+    assert _published(run_dir) == ITERS
+
+
+# -- (b2) the same, staged: one agent store kept across three attempts, a different rank late each time ---------
+ATTEMPT = """
+import os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from megazero.parallel.state import init_distributed
+from tests.helpers.script_exit import run_then_exit
+
+
+def main():
+    if int(os.environ["RANK"]) == int(sys.argv[1]):  # this attempt's late rank: the other reads the store first
+        time.sleep(3)
+    init_distributed(torch.device("cpu"), timedelta(seconds=30))
+    x = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(x)
+    print("sum", int(x.item()))
+
+
+run_then_exit(main)
+"""
+
+
+def test_a_restart_never_reads_the_dead_attempts_keys(tmp_path):
+    """What torchrun's agent does, without its timing: the store outlives each attempt's workers.
+
+    With the agent's store joined under fixed key names, the early rank of a later attempt reads the
+    late rank's address from the dead attempt and fails to connect (late rank 1) or finds the dead
+    rank 0's store entry (late rank 0); a store per attempt answers only its own workers.
+    """
+    script = tmp_path / "attempt.py"
+    script.write_text(ATTEMPT)
+    agent = torch.distributed.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    for attempt, late in enumerate((-1, 1, 0)):
+        env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(agent.port),
+               "TORCHELASTIC_RUN_ID": "staged", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
+        for rank, r in enumerate(launch(str(script), [str(late)], 2, timeout=GUARD, env=env)):
+            assert (r.returncode, r.stdout) == (0, "sum 3\n"), (attempt, rank, r.stderr[-3000:])
 
 
 # -- (c) --distributed-timeout-minutes reaches the world group and every group built on it ----------------------
@@ -218,13 +287,19 @@ import sys
 import torch
 from megazero.arguments import parse_config
 from megazero.training.run import _start
+from tests.helpers.script_exit import run_then_exit
 
-cfg, _ = parse_config(sys.argv[1:])
-_, pstate, _ = _start(cfg, lambda *_: None)
-for name in ("world_group", "tp_group", "dp_group", "pp_group", "model_parallel_group", "embedding_group"):
-    group = getattr(pstate, name)
-    if group is not None:
-        print(name, group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+def main():
+    cfg, _ = parse_config(sys.argv[1:])
+    _, pstate, _ = _start(cfg, lambda *_: None)
+    for name in ("world_group", "tp_group", "dp_group", "pp_group", "model_parallel_group", "embedding_group"):
+        group = getattr(pstate, name)
+        if group is not None:
+            print(name, group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
+run_then_exit(main)
 """
 
 

@@ -15,9 +15,12 @@ The ZeRO 3 rows (``z3``, ``z3-cpu``, ``z3-disk``) run the same model with ``--ze
 memory, and with both the optimizer state and the parameter shards (``--offload-params``) on
 the host or on disk; their RSS drop is against ``z3``, as a fraction of what they offload.
 
-A small ``--bucket-size`` makes the disk tier stream many buckets (its host buffers hold
-one bucket of state each). DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu``
-(DS_ACCELERATOR=cpu, its CPUAdam JIT-built with g++) around the same megazero model and
+Every row runs under ``/usr/bin/time -v``: its maximum resident set size is the whole run's peak
+(start-up included), and the table gives the drop of both peaks. ``--model big`` is issue 22's
+194M-parameter model (1.45 GiB of Adam moments) at the trainer's default ``--bucket-size`` and
+``--offload-buffer-size``: the disk tier's host buffers hold ``--offload-buffer-size`` elements of
+state each, and a bucket shard larger than that streams through them in pieces.
+DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu`` (DS_ACCELERATOR=cpu, its CPUAdam JIT-built with g++) around the same megazero model and
 weights; if it cannot run, its row records the error. Nothing here is asserted by the
 test suite (numbers depend on the machine and its load); results: bench/RESULTS_offload.md.
 
@@ -42,6 +45,9 @@ if ROOT not in sys.path:
 
 MODEL = dict(arch="llama", num_layers=10, hidden_size=1024, num_attention_heads=16, num_query_groups=16,
              ffn_hidden_size=2816, seq_length=64, vocab_size=4096)
+# --model big: issue 22's 194M-parameter fp32 Llama (vocab 32000: 1.45 GiB of Adam moments), at the
+# trainer's default --bucket-size and --offload-buffer-size unless --bucket-size is given
+MODELS = {"bench": MODEL, "big": {**MODEL, "vocab_size": 32000}}
 MICRO_BATCH = 2
 SEED, LR = 1234, 3e-4
 WARMUP, STEPS = 1, 3
@@ -84,14 +90,16 @@ class RssSampler:
 
 
 def tokens(total: int):
+    """Seeded token batches for ``total`` steps (``MODEL`` is set per worker by ``--model``)."""
     import torch
 
     g = torch.Generator().manual_seed(SEED)
     return torch.randint(0, MODEL["vocab_size"], (total, MICRO_BATCH, MODEL["seq_length"] + 1), generator=g)
 
 
-def megazero_row(row: str, offload_dir: str) -> dict:
-    """One megazero run on one rank: ``TIERS[row]`` gives the ZeRO stage and where the state lives."""
+def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SIZE) -> dict:
+    """One megazero run on one rank: ``TIERS[row]`` gives the ZeRO stage and where the state lives;
+    ``bucket_size`` None keeps the trainer's default."""
     import torch
     from megazero.config import Config
     from megazero.optimizer.accounting import measured_state_bytes
@@ -107,7 +115,9 @@ def megazero_row(row: str, offload_dir: str) -> dict:
     zero, optimizer, params = TIERS[row]
     settings = {**MODEL, "zero": zero, "micro_batch_size": MICRO_BATCH, "global_batch_size": MICRO_BATCH,
                 "seed": SEED, "device": "cpu", "lr": LR, "lr_decay_style": "constant", "clip_grad": 1.0,
-                "bucket_size": BUCKET_SIZE, "offload_optimizer": optimizer, "offload_params": params}
+                "offload_optimizer": optimizer, "offload_params": params}
+    if bucket_size is not None:
+        settings["bucket_size"] = bucket_size
     if "disk" in (optimizer, params):
         settings["offload_path"] = offload_dir
     cfg = Config.from_flat(settings)
@@ -187,28 +197,37 @@ def timed_loop(one_step) -> dict:
             "rss_before_steps": before, "peak_step_rss": sampler.peak, "vm_hwm": vm_kib("VmHWM") * 1024}
 
 
-def run_row(row: str, threads: int) -> dict:
-    """One row in a fresh process; a failed row returns its error (the last lines of stderr)."""
+def run_row(row: str, threads: int, model: str = "bench", bucket_size: int | None = BUCKET_SIZE) -> dict:
+    """One row in a fresh process under ``/usr/bin/time -v`` (its "Maximum resident set size" is the
+    whole run's peak, start-up included); a failed row returns its error (the last lines of stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     offload_dir = tempfile.mkdtemp(prefix="bench_offload_", dir=os.environ.get("BENCH_OFFLOAD_DIR", "/tmp"))
+    timer = ["/usr/bin/time", "-v"] if os.path.exists("/usr/bin/time") else []
+    cmd = [*timer, sys.executable, __file__, "--worker", row, "--offload-dir", offload_dir,
+           "--threads", str(threads), "--model", model, "--bucket-size", str(bucket_size or 0)]
     try:
-        out = subprocess.run([sys.executable, __file__, "--worker", row, "--offload-dir", offload_dir,
-                              "--threads", str(threads)], capture_output=True, text=True, env=env, cwd=ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     finally:
         shutil.rmtree(offload_dir, ignore_errors=True)
     for line in out.stdout.splitlines():
         if line.startswith(TAG):
-            return json.loads(line[len(TAG):])
+            result = json.loads(line[len(TAG):])
+            for err in out.stderr.splitlines():
+                if "Maximum resident set size (kbytes):" in err:
+                    result["time_max_rss"] = int(err.split(":")[-1]) * 1024
+            return result
     tail = (out.stderr or out.stdout).strip().splitlines()[-6:]
     return {"row": row, "error": " | ".join(tail)}
 
 
-def worker(row: str, offload_dir: str, threads: int) -> None:
+def worker(row: str, offload_dir: str, threads: int, model: str, bucket_size: int | None) -> None:
     import torch
 
+    global MODEL
+    MODEL = MODELS[model]
     torch.set_num_threads(threads)
-    result = deepspeed_row(offload_dir) if row == "deepspeed-cpu" else megazero_row(row, offload_dir)
-    print(TAG + json.dumps({"row": row, "threads": threads, **result}), flush=True)
+    result = deepspeed_row(offload_dir) if row == "deepspeed-cpu" else megazero_row(row, offload_dir, bucket_size)
+    print(TAG + json.dumps({"row": row, "threads": threads, "model": model, **result}), flush=True)
 
 
 def offloaded_bytes(row: str, base: dict) -> int:
@@ -220,20 +239,24 @@ def offloaded_bytes(row: str, base: dict) -> int:
 
 def table(results: list[dict]) -> str:
     """Markdown rows; the RSS drop is against the row's in-memory base (``BASE``), as a fraction of
-    the bytes it offloads."""
+    the bytes it offloads: at the steps' peak (sampled VmRSS) and over the whole run (/usr/bin/time)."""
     ok = {r["row"]: r for r in results if "error" not in r}
-    lines = ["| row | step s | CPU s/step | peak RSS in step GB | VmHWM GB | RSS drop vs base GB "
-             "| drop / offloaded state | losses |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | step s | CPU s/step | peak RSS in step GB | whole-run max RSS GB | step drop / offloaded "
+             "| whole-run drop / offloaded | losses |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "error" in r:
             lines.append(f"| {r['row']} | failed: {r['error'][:300]} |||||||")
             continue
         base = ok.get(BASE[TIERS.get(r["row"], (2,))[0]])
-        drop = base["peak_step_rss"] - r["peak_step_rss"] if base else float("nan")
-        frac = drop / offloaded_bytes(r["row"], base) if base else float("nan")
+        whole = r.get("time_max_rss", r["vm_hwm"])  # no /usr/bin/time: the worker's own VmHWM
+        step_frac = whole_frac = float("nan")
+        if base:
+            state = offloaded_bytes(r["row"], base)
+            step_frac = (base["peak_step_rss"] - r["peak_step_rss"]) / state
+            whole_frac = (base.get("time_max_rss", base["vm_hwm"]) - whole) / state
         losses = ", ".join(f"{x:.4f}" for x in r["losses"])
         lines.append(f"| {r['row']} | {r['step_s']:.2f} | {r['cpu_s_per_step']:.2f} | {r['peak_step_rss'] / 1e9:.2f} "
-                     f"| {r['vm_hwm'] / 1e9:.2f} | {drop / 1e9:.2f} | {frac:.0%} | {losses} |")
+                     f"| {whole / 1e9:.2f} | {step_frac:.0%} | {whole_frac:.0%} | {losses} |")
     return "\n".join(lines)
 
 
@@ -241,14 +264,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", choices=tuple(MODELS), default="bench",
+                        help="bench: ~137M parameters; big: issue 22's 194M (1.45 GiB of Adam moments)")
+    parser.add_argument("--bucket-size", type=int, default=None,
+                        help=f"elements; 0 = the trainer's default (default: {BUCKET_SIZE:,} for --model bench, "
+                             f"the trainer's default for big)")
     parser.add_argument("--worker", choices=ROWS, help=argparse.SUPPRESS)
     parser.add_argument("--offload-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    bucket = args.bucket_size if args.bucket_size is not None else (BUCKET_SIZE if args.model == "bench" else 0)
     if args.worker:
-        return worker(args.worker, args.offload_dir, args.threads)
+        return worker(args.worker, args.offload_dir, args.threads, args.model, bucket or None)
     results = []
     for row in args.rows:
-        results.append(run_row(row, args.threads))
+        results.append(run_row(row, args.threads, args.model, bucket or None))
         print(json.dumps(results[-1]), flush=True)
     print(table(results))
 

@@ -71,7 +71,8 @@ class StatePlacement:
     optimizer_state: Placement = Placement.DEVICE  # fp32 master weights + moments (ZeRO-Offload: HOST/DISK)
     parameters: Placement = Placement.DEVICE  # compute-precision parameter shards (ZeRO-3 + offload)
     offload_path: str | None = None  # DISK: folder of the per-rank optimizer-state (and parameter-shard) files
-    offload_buffers: int = 2  # DISK: host buffers (one bucket of state each) the step streams through
+    offload_buffers: int = 2  # DISK: host buffers (one piece of state each) the step streams through
+    offload_buffer_size: int = 2_000_000  # DISK: shard elements per host buffer (a larger bucket goes in pieces)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,7 +146,8 @@ def _placement(cfg: Config) -> StatePlacement:
     p = cfg.parallel
     where = {"none": Placement.DEVICE, "cpu": Placement.HOST, "disk": Placement.DISK}
     return StatePlacement(optimizer_state=where[p.offload_optimizer], parameters=where[p.offload_params],
-                          offload_path=p.offload_path, offload_buffers=p.offload_buffers)
+                          offload_path=p.offload_path, offload_buffers=p.offload_buffers,
+                          offload_buffer_size=p.offload_buffer_size)
 
 
 def _gathering(cfg: Config) -> UnitGathering | None:

@@ -8,9 +8,10 @@ the dp-th of the padded bucket under ZeRO 1/2/3, the whole bucket under ZeRO 0):
                               memory; the device keeps no optimizer state. Also 12 (not 8) in
                               fp32 runs: the host keeps its own master, the parameter shard stays
                               where the parameters live.
-    --offload-optimizer disk  the same 12 n bytes in one file per rank; the host keeps
-                              min(K, buckets) buffers (K = --offload-buffers), each the largest
-                              bucket's state (12 x its shard elements).
+    --offload-optimizer disk  the same 12 n bytes in one file per rank; the host keeps K buffers
+                              (K = --offload-buffers; 1 when the state is a single piece), each
+                              of 12 x min(B, largest bucket shard) bytes (B = --offload-buffer-size
+                              elements: a larger shard streams through in pieces).
     --offload-params cpu      ZeRO 3: the compute-precision parameter shards, w n bytes, live in
                               host memory; the device keeps only the units gathered at the moment.
     --offload-params disk     ZeRO 3: the shards, w n bytes, live in a file per rank; a gather
@@ -85,17 +86,18 @@ def check_offload(zero: int, offload_optimizer: str, offload_params: str) -> Non
 
 
 def offload_bytes(shards: list[int], w: int, offload_optimizer: str, offload_params: str,
-                  buffers: int) -> OffloadBytes:
+                  buffers: int, buffer_size: int = 2_000_000) -> OffloadBytes:
     """Where this rank's state goes. ``shards``: shard elements of every bucket of every chunk;
-    ``w``: bytes per parameter element.
+    ``w``: bytes per parameter element; ``buffers``, ``buffer_size``: the disk tier's host buffers.
     The device's optimizer state (8 or 12 bytes per element in memory) drops to 0 with either tier."""
     n = sum(shards)
     out = {}
     if offload_optimizer == "cpu":
         out.update(optimizer_host=STATE_BYTES * n)
     elif offload_optimizer == "disk":
-        pool = max(1, min(buffers, len(shards))) if shards else 0
-        out.update(optimizer_host=pool * STATE_BYTES * max(shards, default=0), optimizer_disk=STATE_BYTES * n)
+        width = min(buffer_size, max(shards, default=0))
+        pool = buffers if len(shards) > 1 or sum(shards) > buffer_size else 1
+        out.update(optimizer_host=pool * STATE_BYTES * width, optimizer_disk=STATE_BYTES * n)
     if offload_params == "cpu":
         out.update(params_host=w * n, params_device=w * n)
     elif offload_params == "disk":

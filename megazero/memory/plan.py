@@ -55,7 +55,8 @@ class PlanSpec:
     reshard_after_forward: bool = True  # ZeRO 3: False keeps every unit gathered from forward to backward
     offload_optimizer: str = "none"  # none | cpu | disk: where the fp32 master and Adam moments live
     offload_params: str = "none"  # none | cpu | disk: where ZeRO 3's parameter shards live between uses
-    offload_buffers: int = 2  # offload to disk: host buffers (one bucket of state each) the step streams through
+    offload_buffers: int = 2  # offload to disk: host buffers (one piece of state each) the step streams through
+    offload_buffer_size: int = 2_000_000  # offload to disk: shard elements per host buffer
 
     @classmethod
     def from_plan(cls, cfg: Config, plan: RunPlan, device: str = "cuda") -> "PlanSpec":
@@ -75,7 +76,7 @@ class PlanSpec:
                    device=device, layers_per_unit=gathering.layers_per_unit, prefetch=gathering.prefetch,
                    reshard_after_forward=gathering.reshard_after_forward,
                    offload_optimizer=_OFFLOAD_NAMES[where.optimizer_state], offload_params=params,
-                   offload_buffers=where.offload_buffers)
+                   offload_buffers=where.offload_buffers, offload_buffer_size=where.offload_buffer_size)
 
     @property
     def offloaded(self) -> bool:
@@ -174,7 +175,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     state = _model_state(spec, params, blocks, chunks, in_flight)
     w, _, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
     shards = _state_shards(spec, blocks, chunks)
-    off = offload_bytes(shards, w, spec.offload_optimizer, spec.offload_params, spec.offload_buffers)
+    off = offload_bytes(shards, w, spec.offload_optimizer, spec.offload_params, spec.offload_buffers,
+                        spec.offload_buffer_size)
     optimizer = 0.0 if spec.offload_optimizer != "none" else state.optimizer  # on the device
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.recompute_num_layers)
     with_extras = -(-in_flight // spec.vp)  # chunk-forwards of the chunk holding the embedding or the head
@@ -278,7 +280,8 @@ def _offload_lines(plan: MemoryPlan) -> list[str]:
     s, st = plan.spec, plan.peak
     if not s.offloaded:
         return []
-    buffers = f" (disk tier: {s.offload_buffers} buffers)" if "disk" in (s.offload_optimizer, s.offload_params) else ""
+    buffers = (f" (disk tier: {s.offload_buffers} buffers of {s.offload_buffer_size:,} elements)"
+               if "disk" in (s.offload_optimizer, s.offload_params) else "")
     return [f"offload: optimizer {s.offload_optimizer}, params {s.offload_params}{buffers}; off the device, per rank: "
             f"host {st.host_bytes / GIB:.2f} GiB (optimizer {st.optimizer_host_bytes / GIB:.2f}, params "
             f"{st.params_host_bytes / GIB:.2f}), disk {st.disk_bytes / GIB:.2f} GiB",

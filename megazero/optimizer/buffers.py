@@ -254,12 +254,13 @@ class ParamGradBuffer:
         """--offload-params: start bringing ``b``'s shard to the device; ``.result()`` is the tensor."""
         return self.param_store.fetch(b.offset // self.num_shards, b.shard_numel)
 
-    def set_param_shard(self, b: Bucket, values: torch.Tensor) -> None:
-        """Store updated shard ``values`` (cast to the parameter dtype) where ``b``'s shard lives."""
+    def set_param_shard(self, b: Bucket, values: torch.Tensor, lo: int = 0) -> None:
+        """Store updated shard elements [lo, lo + n) ``values`` (cast to the parameter dtype) where ``b``'s
+        shard lives (the disk-offloaded optimizer may update a shard in pieces)."""
         if self.param_store is None:
-            self.param_shard(b).copy_(values)
+            self.param_shard(b)[lo:lo + values.numel()].copy_(values)
         else:
-            self.param_store.write(b.offset // self.num_shards, values)
+            self.param_store.write(b.offset // self.num_shards + lo, values)
 
     def flush_param_shards(self) -> None:
         """--offload-params disk: wait for the write-behind of updated shards (errors surface here)."""

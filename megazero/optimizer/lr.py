@@ -10,10 +10,7 @@ class LRSchedule:
     def __init__(self, cfg: OptimizerConfig, train_iters: int) -> None:
         self.cfg = cfg
         self.decay_iters = cfg.lr_decay_iters or train_iters
-        if cfg.lr_warmup_fraction is not None:
-            self.warmup_iters = int(cfg.lr_warmup_fraction * self.decay_iters)
-        else:
-            self.warmup_iters = cfg.lr_warmup_iters
+        self.warmup_iters = cfg.warmup_iters(self.decay_iters)
 
     def __call__(self, iteration: int) -> float:
         """LR for (1-based) ``iteration``."""

@@ -2,8 +2,8 @@
 
 The step (``zero.py``) visits every bucket of every buffer in one fixed order and
 asks the store for that bucket's fp32 state - views ``(master, exp_avg,
-exp_avg_sq)`` of its shard - through ``sweep()``, a generator of
-``(bucket index, views)``. The three stores give the same views, so AdamW runs
+exp_avg_sq)`` of its shard, or of a piece [lo, lo + n) of it - through ``sweep()``,
+a generator of ``(bucket index, lo, views)``. The three stores give the same views, so AdamW runs
 the same kernel, on the same numbers, in the same order, and an offloaded run is
 bitwise the in-memory one on a CPU-only machine (where host = device):
 
@@ -12,10 +12,13 @@ bitwise the in-memory one on a CPU-only machine (where host = device):
     HostStore    master + moments in host memory (pinned on CUDA), the master a
                  separate copy so the parameter shard stays where the params live
                  (ZeRO-Offload)
-    DiskStore    master + moments in one file per rank, laid out per bucket as
-                 [master | exp_avg | exp_avg_sq]; a sweep streams buckets through
-                 K preallocated host buffers with read-ahead of the next bucket and
-                 write-behind of the last (ZeRO-Infinity's NVMe tier)
+    DiskStore    master + moments in one file per rank, laid out per piece as
+                 [master | exp_avg | exp_avg_sq]; a sweep streams pieces through
+                 K preallocated host buffers of ``--offload-buffer-size`` shard elements,
+                 with read-ahead of the next piece and write-behind of the last
+                 (ZeRO-Infinity's NVMe tier). A piece is a whole bucket shard, or a
+                 part of one that does not fit a buffer (``pieces.py``: cut so the
+                 update stays bitwise), so the host memory does not grow with buckets.
 
 On CUDA, ``HostTransfers`` moves the gradients and parameters between the device
 and the host on side streams so the copies overlap compute; on a CPU-only
@@ -40,9 +43,12 @@ import torch
 
 from ..run_plan import Placement, StatePlacement
 from .adam import ShardedAdamState
+from .host_transfers import host_empty
+from .pieces import Runs, piece_bounds
 
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (master, exp_avg, exp_avg_sq), each [shard_numel] fp32
 KINDS = 3  # tensors of state per bucket, in file order
+DEFAULT_BUFFER_SIZE = 2_000_000  # shard elements per disk-tier host buffer (--offload-buffer-size): 24 MB of state
 
 
 class ShardOnDemand:
@@ -78,8 +84,10 @@ class DeviceStore:
         self.separate_master = any(s.separate_master for s in self.states)
         self._views = [v for state in self.states for v in state.views]
 
-    def sweep(self) -> Iterator[tuple[int, Views]]:
-        yield from enumerate(self._views)
+    def sweep(self, whole: bool = False) -> Iterator[tuple[int, int, Views]]:
+        """``(bucket, 0, views of its whole shard)`` per bucket (the disk store also yields pieces)."""
+        for i, views in enumerate(self._views):
+            yield i, 0, views
 
     def tensors(self) -> list[torch.Tensor]:
         """Device-resident tensors (for memory accounting)."""
@@ -105,7 +113,7 @@ class HostStore(DeviceStore):
         flat = [t for s in shards for t in s]
         total = sum(t.numel() for t in flat)
         self.separate_master = True  # the parameter shard stays on the device; the master is a copy here
-        self.data = _host_empty(KINDS * total)
+        self.data = host_empty(KINDS * total)
         self.data.zero_()
         master, self.exp_avg, self.exp_avg_sq = self.data.split(total)
         self._views, offset = [], 0
@@ -123,23 +131,35 @@ class HostStore(DeviceStore):
 
 
 class DiskStore:
-    """Master + moments in ``DIR/rank{r}/optimizer_state.bin``, streamed through ``buffers`` host buffers."""
+    """Master + moments in ``DIR/rank{r}/optimizer_state.bin``, streamed through ``buffers`` host buffers of
+    ``buffer_size`` shard elements each: a bucket's shard larger than that goes through in pieces
+    (``pieces.piece_bounds``), so the host holds K x 12 x ``buffer_size`` bytes whatever the bucket size."""
 
     placement = Placement.DISK
     states: list = []
 
-    def __init__(self, shards: list[list[torch.Tensor]], folder: str, rank: int, buffers: int) -> None:
+    def __init__(self, shards: list[list[torch.Tensor]], folder: str, rank: int, buffers: int,
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, runs: list[Runs] | None = None) -> None:
         assert buffers >= 2, "one buffer is computed while the next is read ahead"
         self.folder, self.separate_master = folder, True
         self.numels = [t.numel() for s in shards for t in s]
+        runs = runs or [None] * len(self.numels)
+        # (bucket, lo, hi) in sweep order; a piece is one [master | exp_avg | exp_avg_sq] region of the file
+        self.pieces = [(i, lo, hi) for i, n in enumerate(self.numels)
+                       for lo, hi in piece_bounds(n, runs[i], buffer_size)]
         self.offsets = [0]
-        for n in self.numels:
-            self.offsets.append(self.offsets[-1] + KINDS * n * 4)
+        for _, lo, hi in self.pieces:
+            self.offsets.append(self.offsets[-1] + KINDS * (hi - lo) * 4)
+        # shard elements per buffer, and K buffers unless one piece is all there is: what the planner
+        # predicts from the shard sizes alone (memory/offload.py), whatever the cuts
+        self.width = min(buffer_size, max(self.numels, default=0))
+        self.by_bucket: list[list[int]] = [[] for _ in self.numels]
+        for p, (i, _, _) in enumerate(self.pieces):
+            self.by_bucket[i].append(p)
         self.dir = os.path.join(folder, f"rank{rank}")
         self.path = os.path.join(self.dir, "optimizer_state.bin")
-        width = KINDS * max(self.numels, default=0)
-        # the only state this rank holds in memory: K buffers, or one per bucket when there are fewer
-        self.pool = [_host_empty(width) for _ in range(max(1, min(buffers, len(self.numels))))]
+        # the only state this rank holds in memory
+        self.pool = [host_empty(KINDS * self.width) for _ in range(buffers if len(self.pieces) > 1 else 1)]
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
         self.fd = -1
         try:
@@ -161,42 +181,56 @@ class DiskStore:
                             f"state needs {need}); {fix}.")
 
     def _write_initial(self, flat: list[torch.Tensor]) -> None:
-        """Masters = the parameters upcast, moments = 0, bucket by bucket through the first buffer."""
+        """Masters = the parameters upcast, moments = 0, piece by piece through the first buffer: no fp32
+        copy of a whole bucket's state is ever built (a ``ShardOnDemand`` shard is read once per bucket)."""
         buf = self.pool[0]
         for i, t in enumerate(flat):
-            n = t.numel()
-            buf[:KINDS * n].zero_()
-            buf[:n].copy_(_read(t))
-            self._pwrite(i, buf)
+            src = _read(t)
+            for p in self.by_bucket[i]:
+                n = self._len(p)
+                buf[n:KINDS * n].zero_()
+                buf[:n].copy_(src[self.pieces[p][1]:self.pieces[p][2]])
+                self._pwrite(p, [buf[:KINDS * n]])
 
-    def _span(self, i: int, buf: torch.Tensor) -> memoryview:
-        n = self.numels[i]
-        return memoryview(buf[:KINDS * n].numpy()).cast("B")
+    def _len(self, p: int) -> int:
+        return self.pieces[p][2] - self.pieces[p][1]
 
-    def _pwrite(self, i: int, buf: torch.Tensor) -> None:
-        view, done = self._span(i, buf), 0
-        while done < len(view):  # a short write is legal; ENOSPC/EIO raise OSError
-            done += os.pwritev(self.fd, [view[done:]], self.offsets[i] + done)
+    def _pwrite(self, p: int, spans: list[torch.Tensor]) -> None:
+        """Write ``spans`` (fp32, back to back) to piece ``p``'s region of the file."""
+        offset = self.offsets[p]
+        for t in spans:
+            view, done = memoryview(t.numpy()).cast("B"), 0
+            while done < len(view):  # a short write is legal; ENOSPC/EIO raise OSError
+                done += os.pwritev(self.fd, [view[done:]], offset + done)
+            offset += len(view)
 
-    def _pread(self, i: int, buf: torch.Tensor) -> None:
-        view, done = self._span(i, buf), 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], self.offsets[i] + done)
-            if got == 0:
-                raise OSError(errno.EIO, f"{self.path} is shorter than the optimizer state")
-            done += got
+    def _pread(self, p: int, spans: list[torch.Tensor]) -> None:
+        """Fill ``spans`` (fp32, back to back) from piece ``p``'s region of the file."""
+        offset = self.offsets[p]
+        for t in spans:
+            view, done = memoryview(t.numpy()).cast("B"), 0
+            while done < len(view):
+                got = os.preadv(self.fd, [view[done:]], offset + done)
+                if got == 0:
+                    raise OSError(errno.EIO, f"{self.path} is shorter than the optimizer state")
+                done += got
+            offset += len(view)
 
-    def _views(self, i: int, buf: torch.Tensor) -> Views:
-        n = self.numels[i]
+    def _views(self, p: int, buf: torch.Tensor) -> Views:
+        n = self._len(p)
         return tuple(buf[k * n:(k + 1) * n] for k in range(KINDS))  # type: ignore[return-value]
 
-    def sweep(self) -> Iterator[tuple[int, Views]]:
-        """Every bucket's state in order; what the caller writes into the views reaches the file.
+    def sweep(self, whole: bool = False) -> Iterator[tuple[int, int, Views]]:
+        """Every piece's state in order, as ``(bucket, lo, views of shard [lo, lo + n))``; what the caller
+        writes into the views reaches the file. ``whole``: one view per bucket (``_sweep_whole``).
 
         Buffers cycle free -> reading -> in the caller's hands -> writing -> free; a read-ahead
         takes a free buffer, or waits for the oldest write-behind to finish, so no more than K
-        buckets' state is ever in memory.
+        pieces' state is ever in memory.
         """
+        if whole:
+            yield from self._sweep_whole()
+            return
         free, reads, writes = deque(self.pool), deque(), deque()
 
         def take() -> torch.Tensor:
@@ -206,23 +240,44 @@ class DiskStore:
                 free.append(buf)
             return free.popleft()
 
-        def read(i: int) -> None:
+        def read(p: int) -> None:
             buf = take()
-            reads.append((i, buf, self.io.submit(self._pread, i, buf)))
+            reads.append((p, buf, self.io.submit(self._pread, p, [buf[:KINDS * self._len(p)]])))
 
         try:
-            if self.numels:
+            if self.pieces:
                 read(0)
-            for i in range(len(self.numels)):
+            for p, (i, lo, _) in enumerate(self.pieces):
                 _, buf, fut = reads.popleft()
-                if i + 1 < len(self.numels):
-                    read(i + 1)
+                if p + 1 < len(self.pieces):
+                    read(p + 1)
                 self._finish(fut, "reading the optimizer state")
-                yield i, self._views(i, buf)
-                writes.append((self.io.submit(self._pwrite, i, buf), buf, "writing the optimizer state"))
+                yield i, lo, self._views(p, buf)
+                span = [buf[:KINDS * self._len(p)]]
+                writes.append((self.io.submit(self._pwrite, p, span), buf, "writing the optimizer state"))
         finally:
             for fut, _, doing in list(writes) + [(f, None, "reading the optimizer state") for _, _, f in reads]:
                 self._finish(fut, doing)  # nothing is left in flight when the sweep ends (or is abandoned)
+
+    def _sweep_whole(self) -> Iterator[tuple[int, int, Views]]:
+        """One bucket at a time, whole, through a buffer that lives only for this sweep: for checkpoints,
+        whose pieces are per parameter segment (a save copies every segment anyway)."""
+        buf = torch.empty(KINDS * max(self.numels, default=0), dtype=torch.float32)
+        for i, n in enumerate(self.numels):
+            views = tuple(buf[k * n:(k + 1) * n] for k in range(KINDS))
+            for p in self.by_bucket[i]:
+                _, lo, hi = self.pieces[p]
+                self._blocking(self._pread, p, [v[lo:hi] for v in views], "reading the optimizer state")
+            yield i, 0, views  # type: ignore[misc]
+            for p in self.by_bucket[i]:
+                _, lo, hi = self.pieces[p]
+                self._blocking(self._pwrite, p, [v[lo:hi] for v in views], "writing the optimizer state")
+
+    def _blocking(self, fn, p: int, spans: list[torch.Tensor], doing: str) -> None:
+        try:
+            fn(p, spans)
+        except OSError as err:
+            raise self.error(err, doing) from err
 
     def _finish(self, fut: Future, doing: str) -> None:
         """Wait for one transfer; a failed one becomes the flag-naming error."""
@@ -258,105 +313,15 @@ def close_rank_file(fd: int, path: str, folder: str) -> None:
         pass  # another tier's file still lives there
 
 
-class HostTransfers:
-    """CUDA + an offloaded optimizer: the grad shards' trip to the host and the updated shards' trip back,
-    on side streams, so neither stalls the step (ZeRO-Offload's overlap).
-
-    Down: when a bucket's reduction for the step's last micro-batch retires (``GradSyncEngine._retire``)
-    its grad shard is copied, non_blocking, into a pinned fp32 host buffer on the ``down`` stream while
-    backward goes on; the step waits for that bucket's event only when it reaches the bucket
-    (``host_grad``). A bucket whose shard is summed again after its DP reduction (sequence-parallel or
-    tied-embedding segments) is copied after that sum, in ``finish_grads``.
-    Up: each updated master shard is copied to the device parameter shard on the ``up`` stream while the
-    host runs AdamW on the next bucket; ``params_sent`` then makes the compute stream wait for the copies
-    on the GPU (the host never blocks), so the next all-gather or forward reads updated parameters. The
-    disk tier reuses its host buffers, so its masters go up through a ring of ``RING`` pinned buffers
-    whose slot is reused only after its copy's event.
-    """
-
-    RING = 2
-
-    def __init__(self, buckets: list, persistent_master: bool) -> None:
-        self.slot = {id(b): i for i, (_, b) in enumerate(buckets)}
-        self.late = {id(b) for _, b in buckets if any(s.tp_sync or s.emb_sync for s in b.segments)}
-        numels = [b.shard_numel for _, b in buckets]
-        self.grads = _host_empty(sum(numels))
-        self.views = list(self.grads.split(numels)) if numels else []
-        self.down_events: dict[int, torch.cuda.Event] = {}
-        self.down, self.up = torch.cuda.Stream(), torch.cuda.Stream()
-        self.ring = [] if persistent_master else [_host_empty(max(numels, default=0)) for _ in range(self.RING)]
-        self.ring_events: list[torch.cuda.Event | None] = [None] * len(self.ring)
-        self.sent_up = 0
-
-    def reset(self) -> None:
-        """A new step: no bucket's grads are on their way yet (a skipped step left its events unread)."""
-        self.down_events.clear()
-
-    def grad_ready(self, b, shard: torch.Tensor, late_ok: bool = False) -> None:
-        """Start copying bucket ``b``'s reduced grad shard to the host (after the compute stream's work on it)."""
-        i = self.slot[id(b)]
-        if i in self.down_events or (id(b) in self.late and not late_ok):
-            return
-        self.down.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.down):
-            src = shard if shard.dtype == torch.float32 else shard.float()  # bf16 main grads: cast on the device
-            self.views[i].copy_(src, non_blocking=True)
-            self.down_events[i] = torch.cuda.Event()
-            self.down_events[i].record(self.down)
-
-    def finish_grads(self, buckets: list, shard_of) -> None:
-        """After the replicated-grad sums: copy every bucket not yet on its way, then fence the compute
-        stream behind the copies (the step unscales and clips the device shards in place next)."""
-        for buf, b in buckets:
-            self.grad_ready(b, shard_of(buf, b), late_ok=True)
-        torch.cuda.current_stream().wait_stream(self.down)
-
-    def host_grad(self, i: int) -> torch.Tensor:
-        """Bucket ``i``'s grad shard on the host [shard_numel] fp32, once its copy has landed."""
-        self.down_events.pop(i).synchronize()
-        return self.views[i]
-
-    def send_param(self, buf, b, master: torch.Tensor) -> None:
-        """Copy updated master ``master`` (host fp32) into ``b``'s device parameter shard, asynchronously."""
-        if buf.param_store is not None:  # --offload-params: the shard lives on the host too
-            buf.set_param_shard(b, master)
-            return
-        if self.sent_up == 0:
-            self.up.wait_stream(torch.cuda.current_stream())  # nothing still reads this step's parameters
-        src = master
-        if self.ring:  # the disk tier's buffer is reused for the next bucket: stage through the ring
-            k = self.sent_up % len(self.ring)
-            if self.ring_events[k] is not None:
-                self.ring_events[k].synchronize()
-            src = self.ring[k][:master.numel()].copy_(master)
-        self.sent_up += 1
-        with torch.cuda.stream(self.up):
-            buf.param_shard(b).copy_(src.to(buf.device, non_blocking=True))  # cast on the device, as before
-            if self.ring:
-                self.ring_events[k] = torch.cuda.Event()
-                self.ring_events[k].record(self.up)
-
-    def params_sent(self) -> None:
-        """The compute stream waits (on the GPU) for every copy up; the next gather or forward is behind it."""
-        torch.cuda.current_stream().wait_stream(self.up)
-        self.sent_up = 0
-
-    def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [self.grads, *self.ring])
-
-
-def _host_empty(numel: int) -> torch.Tensor:
-    """fp32 host memory, pinned when a GPU will copy to and from it."""
-    t = torch.empty(numel, dtype=torch.float32)
-    return t.pin_memory() if torch.cuda.is_available() else t
-
-
-def build_store(shards: list[list[torch.Tensor]], placement: StatePlacement, rank: int):
-    """The store for ``placement.optimizer_state``; ``shards``: per buffer, each bucket's parameter shard."""
+def build_store(shards: list[list[torch.Tensor]], placement: StatePlacement, rank: int,
+                runs: list[Runs] | None = None):
+    """The store for ``placement.optimizer_state``; ``shards``: per buffer, each bucket's parameter shard;
+    ``runs``: each bucket's weight-decay runs in the same order (where the disk store may cut a shard)."""
     where = placement.optimizer_state
     if where == Placement.HOST:
         return HostStore(shards)
     if where == Placement.DISK:
         assert placement.offload_path, "RunPlan.resolve requires --offload-path with disk"
-        return DiskStore(shards, placement.offload_path, rank, placement.offload_buffers)
+        return DiskStore(shards, placement.offload_path, rank, placement.offload_buffers,
+                         placement.offload_buffer_size, runs)
     return DeviceStore(shards)

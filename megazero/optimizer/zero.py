@@ -31,8 +31,10 @@ from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .buffers import Bucket, ParamGradBuffer, merged_runs
 from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
-from .offload import HostTransfers, OffloadError, ShardOnDemand, build_store
+from .host_transfers import HostTransfers
+from .offload import OffloadError, ShardOnDemand, build_store
 from .param_offload import param_shard_factory
+from .pieces import runs_in
 from .scaler import DynamicLossScaler
 
 
@@ -52,17 +54,22 @@ class DistributedOptimizer:
                                    gathering=gathering, param_store=param_shard_factory(
                                        placement.parameters, placement.offload_path, pstate.rank))
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
-        self.store = _agreed_store([[_initial_shard(buf, b) for b in buf.buckets] for buf in self.buffers],
-                                   placement, pstate)
+        self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
+        try:
+            self.store = _agreed_store([[_initial_shard(buf, b) for b in buf.buckets] for buf in self.buffers],
+                                       placement, pstate, [r for runs in self.decay_runs for r in runs])
+        except BaseException:  # no optimizer to close yet: the parameter-shard files made above go now
+            self._close_param_stores()
+            raise
         self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
         self.transfers = None  # CUDA + offloaded state: grads down and params up on side streams
         if pstate.device.type == "cuda" and self.store.placement != Placement.DEVICE:
             self.transfers = self.sync.transfers = HostTransfers(
-                self.bucket_list, persistent_master=self.store.placement == Placement.HOST)
+                self.bucket_list, persistent_master=self.store.placement == Placement.HOST,
+                ring_numel=getattr(self.store, "width", 0))
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
-        self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
         if scaler is not None:
             scaler.attach(modules)
@@ -139,16 +146,21 @@ class DistributedOptimizer:
                           beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
         flat_grads = [g for gs in grads for g in gs]
         flat_runs = [r for runs in self.decay_runs for r in runs]
-        for i, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state, bucket by bucket, where it lives
-            buf, b = self.bucket_list[i]
-            g = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
+        grad = None
+        for i, lo, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state where it lives, bucket by
+            buf, b = self.bucket_list[i]                                   # bucket (disk: maybe in pieces)
+            if lo == 0:
+                grad = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
+            hi = lo + master.numel()
+            g = grad[lo:hi]
             if coef < 1.0:
                 g.mul_(coef)
-            adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, flat_runs[i], hyper, self.step_count)
+            runs = flat_runs[i] if hi - lo == b.shard_numel else runs_in(flat_runs[i], lo, hi)
+            adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, runs, hyper, self.step_count)
             if self.transfers is not None:
-                self.transfers.send_param(buf, b, master)
+                self.transfers.send_param(buf, b, master, lo)
             elif self.store.separate_master:
-                buf.set_param_shard(b, master)
+                buf.set_param_shard(b, master, lo)
         for buf in self.buffers:
             buf.flush_param_shards()
         if self.transfers is not None:
@@ -201,7 +213,7 @@ class DistributedOptimizer:
     def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
         """Per piece of a parameter this rank updates: (param, flat offset into the TP-local param,
         views of its fp32 master weights and moments). Checkpoints save and load through these."""
-        for i, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # disk: one bucket loaded at a time
+        for i, _, (master, exp_avg, exp_avg_sq) in self.store.sweep(whole=True):  # disk: one bucket at a time
             for seg in self.bucket_list[i][1].segments:
                 piece = slice(seg.lo, seg.hi)
                 yield seg.param, seg.param_lo, {"master": master[piece], "exp_avg": exp_avg[piece],
@@ -215,6 +227,9 @@ class DistributedOptimizer:
     def close(self) -> None:
         """Release the offload stores (the disk tier removes this rank's files)."""
         self.store.close()
+        self._close_param_stores()
+
+    def _close_param_stores(self) -> None:
         for buf in self.buffers:
             if buf.param_store is not None:
                 buf.param_store.close()
@@ -231,9 +246,9 @@ class DistributedOptimizer:
     def sync_params_from_master(self) -> None:
         """After loading master shards: cast them into the parameters and gather the full buckets."""
         if self.store.separate_master:
-            for i, (master, _, _) in self.store.sweep():
+            for i, lo, (master, _, _) in self.store.sweep():
                 buf, b = self.bucket_list[i]
-                buf.set_param_shard(b, master)
+                buf.set_param_shard(b, master, lo)
             for buf in self.buffers:
                 buf.flush_param_shards()
         self.sync.gather_params()
@@ -248,12 +263,13 @@ def _initial_shard(buf: ParamGradBuffer, b: Bucket):
     return ShardOnDemand(b.shard_numel, lambda: buf.read_param_shard(b))
 
 
-def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, pstate: ParallelState):
+def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, pstate: ParallelState,
+                  runs: list | None = None):
     """The optimizer-state store; a rank that cannot build it (an unusable --offload-path) makes every
     rank raise the same error here, before a collective of the step could hang on it."""
     store, problem = None, None
     try:
-        store = build_store(shards, placement, pstate.rank)
+        store = build_store(shards, placement, pstate.rank, runs)
     except OffloadError as err:
         problem = f"rank {pstate.rank}: {err}"
     if placement.optimizer_state == Placement.DEVICE:

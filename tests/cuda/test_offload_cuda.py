@@ -81,7 +81,7 @@ def test_grads_go_down_in_backward_and_params_come_back(precision):
             assert torch.equal(opt.transfers.views[i], buf.grad_shard(b).float().cpu()), i
         assert not opt.step(1e-3).skipped
         torch.cuda.synchronize()
-        for i, (master, _, _) in opt.store.sweep():
+        for i, _, (master, _, _) in opt.store.sweep(whole=True):
             buf, b = buckets[i]
             assert torch.equal(buf.param_shard(b).cpu(), master.to(buf.param_dtype)), i
             # what AdamW read on the host: the device shard as the step unscaled it (fp16; no clipping here)

@@ -56,6 +56,7 @@ def _config(zero: int, precision: str, model: str, offload: str, buffers: int, p
     flat = {**MODELS[model], "zero": zero, "bf16": precision == "bf16", "micro_batch_size": 2,
             "global_batch_size": 8, "device": "cpu", "bucket_size": 3000, "offload_optimizer": offload,
             "offload_params": params, "offload_buffers": buffers,
+            "offload_buffer_size": 500,  # below a bucket's shard: the disk tier's buffers follow it, not the bucket
             "offload_path": folder if "disk" in (offload, params) else None}
     return Config.from_flat(flat)
 
@@ -97,8 +98,9 @@ def test_offload_plan_matches_measured_bytes(tmp_path):
                 if err > 0.02:
                     bad.append(f"{run} rank {rank} {key}: planned {getattr(stage, key):.0f}, measured {rec[key]}")
         assert stage.optimizer_bytes == 0 and stage.host_bytes > 0, stage
-        if run[3] == "disk":  # the file holds the whole state, the host only K buckets of it
+        if run[3] == "disk":  # the file holds the whole state, the host only K buffers of 500 elements of it
             assert stage.optimizer_disk_bytes == STATE_BYTES * stage.shard_elements > stage.optimizer_host_bytes
+            assert stage.optimizer_host_bytes == run[4] * STATE_BYTES * 500, stage
     assert not bad, "\n".join(bad)
 
 

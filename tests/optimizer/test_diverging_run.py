@@ -18,10 +18,14 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--lr", "1e8", "--lr-warmup-iters", "0", "--device", "cpu", "--max-skipped-steps", str(LIMIT)]
 
 
+def _not_json(constant: str):
+    raise AssertionError(f"the metrics file holds {constant}, which is not JSON (RFC 8259)")
+
+
 def test_huge_lr_run_skips_then_stops(tmp_path):
     metrics = tmp_path / "m.jsonl"
     results = launch("pretrain_gpt.py", [*FLAGS, "--metrics-file", str(metrics)], 2, timeout=300)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    records = [json.loads(line, parse_constant=_not_json) for line in metrics.read_text().splitlines()]
     records = [r for r in records if "iteration" in r and "event" not in r]
     last = records[-1]
     for rank, r in enumerate(results):
@@ -32,6 +36,9 @@ def test_huge_lr_run_skips_then_stops(tmp_path):
     # every NaN iteration is logged despite --log-interval 10; the last LIMIT of them were skipped
     tail = records[-LIMIT:]
     assert [r["iteration"] for r in tail] == list(range(last["iteration"] - LIMIT + 1, last["iteration"] + 1))
-    assert all(r["skipped"] and not math.isfinite(r["loss"]) for r in tail), tail
+    # strict JSON: a non-finite loss is null, and <key>_nonfinite says which value it was
+    assert all(r["skipped"] and r["loss"] is None and r["loss_nonfinite"] in ("nan", "inf", "-inf")
+               for r in tail), tail
+    assert all(r["grad_norm"] is None or math.isfinite(r["grad_norm"]) for r in records), records
     assert last["skipped_iterations"] == last["nan_iterations"] >= LIMIT, last
     assert last["iteration"] < 30, last

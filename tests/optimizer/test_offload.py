@@ -5,9 +5,11 @@ kernel on the same numbers in the same order as the in-memory run: losses, grad 
 evaluation losses and final weights must be *equal*, not close. Two gloo worlds do the work:
 
 - dp2 (2 ranks): zero 1, 2 and 3 in fp32, bf16 and fp16 (loss scaling), each in memory, on the host and on disk
-  (disk with 2 and 3 buffers); a disk-offload run saves a checkpoint that resumes in memory, and
-  an in-memory checkpoint resumes on disk and on the host, both equal to the uninterrupted run;
-  the disk store streams every bucket through its K buffers and removes its file on close;
+  (disk with 2 buffers of ``SMALL`` elements, smaller than a bucket shard, so every shard streams in
+  pieces; and 3 whole-bucket buffers); a disk-offload run saves a checkpoint that resumes in memory,
+  and an in-memory checkpoint resumes on disk and on the host, both equal to the uninterrupted run;
+  the disk store streams every piece through its K buffers (bounded by --offload-buffer-size, not by
+  the bucket) and removes its file on close;
 - tp2 x pp2 x dp2 (8 ranks): zero 3 in memory, on the host and on disk.
 
 The error cases (flags, an unusable folder, a full disk at start-up and mid-step, the CLI's
@@ -33,12 +35,13 @@ from tests.helpers.dist import spawn
 from tests.optimizer.harness import build, make_cfg, train
 
 PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True, initial_loss_scale=1024.0)}
+SMALL = 320  # --offload-buffer-size for the disk runs: below every multi-parameter bucket shard here
 
 
-def offloaded(cfg: Config, where: str, folder: str, buffers: int = 2) -> Config:
+def offloaded(cfg: Config, where: str, folder: str, buffers: int = 2, size: int = SMALL) -> Config:
     if where == "none":
         return cfg
-    path = {"offload_path": folder} if where == "disk" else {}
+    path = {"offload_path": folder, "offload_buffer_size": size} if where == "disk" else {}
     return cfg.updated(offload_optimizer=where, offload_buffers=buffers, **path)
 
 
@@ -56,15 +59,19 @@ def train_closed(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
 
 
 def pool_check(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
-    """Which memory a disk store's sweep hands out: every bucket's views must lie in its K buffers."""
+    """Which memory a disk store's sweep hands out: every piece's views must lie in its K buffers, and the
+    buffers' size follows --offload-buffer-size, not the largest bucket."""
     _, opt = build(pstate, cfg)
     store = opt.store
     pool = {b.untyped_storage().data_ptr() for b in store.pool}
-    storages = {v.untyped_storage().data_ptr() for _, views in store.sweep() for v in views}
-    one_bucket = 3 * max(store.numels) * 4
-    out = {"buckets": len(store.numels), "outside_pool": len(storages - pool), "host": store.host_bytes(),
-           "k_buckets": cfg.parallel.offload_buffers * one_bucket, "disk": store.disk_bytes(),
-           "record": measured_state_bytes(opt)}
+    pieces = [(i, lo, views[0].numel()) for i, lo, views in store.sweep()]
+    storages = {v.untyped_storage().data_ptr() for _, _, views in store.sweep() for v in views}
+    covered = [sum(n for j, _, n in pieces if j == i) for i in range(len(store.numels))]
+    out = {"buckets": len(store.numels), "pieces": len(pieces), "outside_pool": len(storages - pool),
+           "host": store.host_bytes(), "largest_bucket": 3 * 4 * max(store.numels),
+           "k_pieces": cfg.parallel.offload_buffers * 3 * 4 * cfg.parallel.offload_buffer_size,
+           "covered": covered == store.numels,
+           "disk": store.disk_bytes(), "record": measured_state_bytes(opt)}
     opt.close()
     return out
 
@@ -77,9 +84,11 @@ def world_dp2(pstate: ParallelState, folder: str) -> dict[str, Any]:
             base = make_cfg(zero=zero, mbs=2, **kw)
             for where in ("none", "cpu", "disk"):
                 out[f"z{zero}.{prec}.{where}"] = train_closed(pstate, offloaded(base, where, folder))
-    out["z2.fp32.disk3"] = train_closed(pstate, offloaded(make_cfg(zero=2, mbs=2), "disk", folder, buffers=3))
-    # buckets of similar size (the embedding alone fills one), so K of them are well below the whole state
-    out["pool"] = pool_check(pstate, offloaded(make_cfg(zero=2, layers=6, bucket=33_000), "disk", folder))
+    out["z2.fp32.disk3"] = train_closed(pstate, offloaded(make_cfg(zero=2, mbs=2), "disk", folder, buffers=3,
+                                                          size=10 ** 6))  # whole buckets
+    # buckets of similar size (the embedding alone fills one), each shard larger than a buffer
+    out["pool"] = pool_check(pstate, offloaded(make_cfg(zero=2, layers=6, bucket=33_000), "disk", folder,
+                                               size=4000))
     ck = f"{folder}/../ck"
     out["ck.straight"] = segment(pstate, cfg_for(zero=2))
     segment(pstate, offloaded(cfg_for(zero=2, iters=2), "disk", folder), save=f"{ck}/disk")
@@ -124,8 +133,9 @@ def test_offload_dp2_bitwise_checkpoints_and_pool(tmp_path):
         assert host["optimizer_bytes"] == 0 and host["optimizer_host_bytes"] == ref_mem["optimizer_bytes"], host
         assert mem["params_bytes"] == ref_mem["params_bytes"] and "optimizer_host_bytes" not in ref_mem
         pool = out["pool"]
-        assert pool["buckets"] > 2 and pool["outside_pool"] == 0, pool  # every bucket went through the pool
-        assert pool["host"] == pool["k_buckets"] < pool["disk"], pool  # K buckets' state, never the whole
+        assert pool["buckets"] > 2 and pool["outside_pool"] == 0 and pool["covered"], pool  # all via the pool
+        assert pool["pieces"] > pool["buckets"], pool  # shards larger than a buffer went through in pieces
+        assert pool["host"] == pool["k_pieces"] < pool["largest_bucket"], pool  # K buffers of the flag's size
         assert pool["record"]["optimizer_host_bytes"] == pool["host"], pool
     assert not bad, f"{len(bad)} offloaded runs differ from in-memory: {dict(list(bad.items())[:6])}"
 
@@ -144,6 +154,8 @@ def test_offload_flags_and_errors(tmp_path, monkeypatch, capsys):
         make_cfg(zero=1).updated(offload_path=str(tmp_path))
     with pytest.raises(ConfigError, match="--offload-buffers must be >= 2"):
         make_cfg(zero=1).updated(offload_optimizer="disk", offload_path=str(tmp_path), offload_buffers=1)
+    with pytest.raises(ConfigError, match="--offload-buffer-size must be >= 64"):
+        make_cfg(zero=1).updated(offload_optimizer="disk", offload_path=str(tmp_path), offload_buffer_size=10)
     cfg = make_cfg(zero=1).updated(offload_optimizer="disk", offload_path=str(tmp_path / "off"))
     assert ("--offload-path", str(tmp_path / "off")) in output_paths(cfg)  # probed at start-up as --save is
     from pretrain_gpt import main

@@ -31,6 +31,8 @@ from tests.optimizer.test_offload import differences, train_closed
 def offloaded(cfg: Config, params: str, optimizer: str, folder: str) -> Config:
     """``cfg`` with the parameter shards at ``params`` and the optimizer state at ``optimizer``."""
     path = {"offload_path": folder} if "disk" in (params, optimizer) else {}
+    if optimizer == "disk":  # buffers smaller than a bucket shard: updated shards are written back in pieces
+        path["offload_buffer_size"] = 320
     return cfg.updated(offload_params=params, offload_optimizer=optimizer, **path)
 
 

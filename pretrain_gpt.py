@@ -30,9 +30,19 @@ def _lost_peer(err: RuntimeError) -> bool:
     return isinstance(err, dist.DistError) or "/gloo/" in str(err)
 
 
+def _check_dry_run_flags(ns) -> None:
+    """--dp only plans a layout; a run's data-parallel size is WORLD_SIZE / (tp x pp)."""
+    if ns.dp is not None and not ns.dry_run:
+        raise ValueError(f"--dp {ns.dp} only applies with --dry-run (a run's data-parallel size is WORLD_SIZE / "
+                         f"(tp x pp), set by torchrun --nproc_per_node/--nnodes); drop --dp or add --dry-run.")
+    if ns.dp is not None and ns.dp < 1:
+        raise ValueError(f"--dp must be >= 1, got {ns.dp}; pass the data-parallel size to plan for.")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, ns = parse_config(argv, extra=DRY_RUN_FLAGS)
+        _check_dry_run_flags(ns)
         if ns.dry_run:  # the memory plan of this configuration; no process group, no model
             from megazero.memory import format_plan, plan_for_run
 

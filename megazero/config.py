@@ -12,35 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the flag and the fix."""
-
-
-def opt(default: Any, help: str, *aliases: str, choices: tuple | None = None) -> Any:
-    """A dataclass field with CLI metadata; the first flag is derived from the name."""
-    return field(default=default, metadata={"help": help, "aliases": aliases, "choices": choices})
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+from .config_fields import ConfigError, check_bounds, flag, opt, require  # noqa: F401 (ConfigError, flag: re-exported)
 
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (ranks per TP group, inside a node).", "--tp")
-    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp")
+    tensor_model_parallel_size: int = opt(1, "Tensor-parallel degree (ranks per TP group, inside a node).", "--tp",
+                                         at_least=1)
+    pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp",
+                                           at_least=1)
     zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients, "
                     "3 also shard parameters (gathered one unit at a time).", choices=(0, 1, 2, 3))
     zero3_unit_layers: int = opt(1, "ZeRO 3: transformer blocks per gathered unit (embeddings, final norm and head "
-                                 "form one more unit per chunk).")
+                                 "form one more unit per chunk).", at_least=1)
     zero3_prefetch: int = opt(1, "ZeRO 3: units whose all-gather is issued ahead of the one computing (next in "
-                              "forward, previous in backward); 0 = gather only when needed.")
+                              "forward, previous in backward); 0 = gather only when needed.",
+                              at_least=0)
     reshard_after_forward: bool = opt(True, "ZeRO 3: free a unit's gathered parameters after its forward and gather "
                                       "them again for its backward (3x parameter traffic); --no-reshard-after-"
                                       "forward keeps them from forward to backward (2x, more memory).")
@@ -50,15 +37,16 @@ class ParallelConfig:
                                         "stages are given ('interleaved' needs them).",
                                         choices=("gpipe", "1f1b", "interleaved"))
     num_layers_per_virtual_pipeline_stage: int | None = opt(
-        None, "Layers per virtual stage (model chunk) for the interleaved schedule; None = one chunk per rank.")
+        None, "Layers per virtual stage (model chunk) for the interleaved schedule; None = one chunk per rank.",
+        at_least=1)
     bucket_size: int = opt(10_000_000, "Elements per gradient bucket: communication is launched per bucket "
-                           "as it fills during backward (larger = fewer, bigger collectives).")
+                           "as it fills during backward (larger = fewer, bigger collectives).", at_least=1)
     overlap_param_gather: bool = opt(False, "ZeRO 1/2: all-gather updated weights asynchronously and wait for "
                                      "each bucket only in the next forward that uses it (ZeRO 3 always gathers "
                                      "per unit in forward, overlapped by --zero3-prefetch).")
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
-        "None or 1 = one chunk.")
+        "None or 1 = one chunk.", at_least=1)
     offload_optimizer: str = opt("none", "Where the fp32 master weights and Adam moments live: none (the device), "
                                  "cpu (host memory; the step runs there) or disk (per-rank files under "
                                  "--offload-path, streamed bucket by bucket).", choices=("none", "cpu", "disk"))
@@ -67,20 +55,18 @@ class ParallelConfig:
                               "--offload-optimizer cpu or disk.", choices=("none", "cpu", "disk"))
     offload_path: str | None = opt(None, "--offload-optimizer/--offload-params disk: folder for the per-rank files "
                                    "(a fast local disk; each rank writes rank<N>/ there).")
-    offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one bucket of state each) the step "
-                               "streams through; >= 2 so the next bucket is read while one is updated.")
+    offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one piece of state each) the step "
+                               "streams through; >= 2 so the next piece is read while one is updated.")
+    offload_buffer_size: int = opt(2_000_000, "--offload-optimizer disk: shard elements per host buffer (12 bytes "
+                                   "each: master + moments); a larger bucket shard streams through in pieces.",
+                                   at_least=64)
     distributed_timeout_minutes: float = opt(10.0, "Minutes a collective may wait for a peer before the run fails "
-                                             "(a dead or stuck rank then ends the job; fractions allowed).")
+                                             "(a dead or stuck rank then ends the job; fractions allowed).",
+                                             above=0)
 
     def __post_init__(self) -> None:
-        require(self.distributed_timeout_minutes > 0,
-                 f"--distributed-timeout-minutes must be > 0, got {self.distributed_timeout_minutes}.")
-        require(self.tensor_model_parallel_size >= 1, "--tensor-model-parallel-size/--tp must be >= 1.")
-        require(self.pipeline_model_parallel_size >= 1, "--pipeline-model-parallel-size/--pp must be >= 1.")
+        check_bounds(self)
         require(self.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {self.zero}.")
-        require(self.zero3_unit_layers >= 1, f"--zero3-unit-layers must be >= 1, got {self.zero3_unit_layers}.")
-        require(self.zero3_prefetch >= 0, f"--zero3-prefetch must be >= 0, got {self.zero3_prefetch}.")
-        require(self.bucket_size >= 1, f"--bucket-size must be >= 1 element, got {self.bucket_size}.")
         for name, where in (("optimizer", self.offload_optimizer), ("params", self.offload_params)):
             require(where in ("none", "cpu", "disk"), f"--offload-{name} must be none, cpu or disk, got {where!r}.")
         require(self.offload_params == "none" or (self.zero == 3 and self.offload_optimizer != "none"),
@@ -106,8 +92,6 @@ class ParallelConfig:
     def virtual_size(self, num_layers: int) -> int:
         """Model chunks per pipeline rank, from either virtual-stage flag (they must agree)."""
         per_stage, vp = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_size
-        require(per_stage is None or per_stage >= 1, "--num-layers-per-virtual-pipeline-stage must be >= 1.")
-        require(vp is None or vp >= 1, "--virtual-pipeline-size must be >= 1.")
         if per_stage is None:
             return vp or 1
         require(num_layers % (self.pp * per_stage) == 0,
@@ -135,19 +119,22 @@ class ParallelConfig:
 class ModelConfig:
     arch: str = opt("gpt2", "Model family: gpt2 (learned positions, LayerNorm, GELU, tied embeddings, biases) "
                     "or llama (RoPE, RMSNorm, SwiGLU, no biases, GQA).", choices=("gpt2", "llama"))
-    num_layers: int = opt(4, "Number of transformer blocks.")
-    hidden_size: int = opt(256, "Model width.")
-    num_attention_heads: int = opt(4, "Attention heads.")
-    num_query_groups: int | None = opt(None, "Key/value heads for grouped-query attention; None = one per head.")
-    ffn_hidden_size: int | None = opt(None, "MLP width; None = 4*hidden (gpt2) or 8/3*hidden rounded to 64 (llama).")
-    seq_length: int = opt(128, "Tokens per training sample.")
-    max_position_embeddings: int | None = opt(None, "Learned position table size (gpt2); None = --seq-length.")
-    vocab_size: int | None = opt(None, "Tokenizer vocabulary; None = taken from the tokenizer.")
-    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times --tp.")
-    hidden_dropout: float = opt(0.0, "Dropout after attention and MLP outputs and on embeddings.")
-    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.")
-    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.")
-    rotary_base: float = opt(10000.0, "RoPE base frequency (llama).")
+    num_layers: int = opt(4, "Number of transformer blocks.", at_least=1)
+    hidden_size: int = opt(256, "Model width.", at_least=1)
+    num_attention_heads: int = opt(4, "Attention heads.", at_least=1)
+    num_query_groups: int | None = opt(None, "Key/value heads for grouped-query attention; None = one per head.",
+                                       at_least=1)
+    ffn_hidden_size: int | None = opt(None, "MLP width; None = 4*hidden (gpt2) or 8/3*hidden rounded to 64 (llama).",
+                                      at_least=1)
+    seq_length: int = opt(128, "Tokens per training sample.", at_least=1)
+    max_position_embeddings: int | None = opt(None, "Learned position table size (gpt2); None = --seq-length.",
+                                              at_least=1)
+    vocab_size: int | None = opt(None, "Tokenizer vocabulary; None = taken from the tokenizer.", at_least=1)
+    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times --tp.", at_least=1)
+    hidden_dropout: float = opt(0.0, "Dropout after attention and MLP outputs and on embeddings.", at_least=0, below=1)
+    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.", at_least=0, below=1)
+    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.", above=0)
+    rotary_base: float = opt(10000.0, "RoPE base frequency (llama).", above=0)
     rope_scaling_type: str | None = opt(None, "RoPE frequency scaling (llama): None = plain RoPE; llama3 = "
                                         "Llama-3.1 scaling (HF rope_type 'llama3') set by the four flags below.",
                                         choices=("llama3",))
@@ -161,11 +148,11 @@ class ModelConfig:
         "original_max_position_embeddings).")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "Separate output head; None = tied for gpt2, untied for llama.")
-    init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).")
+    init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).",
+                                 above=0)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-            require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        check_bounds(self)
         require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
         require(self.hidden_size % self.num_attention_heads == 0,
                  f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
@@ -174,8 +161,6 @@ class ModelConfig:
         require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
                  f"({groups}); use a divisor of the head count.")
-        require(0.0 <= self.hidden_dropout < 1 and 0.0 <= self.attention_dropout < 1,
-                 "--hidden-dropout and --attention-dropout must be in [0, 1).")
         require(self.position_table_size >= self.seq_length,
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
                  f"({self.seq_length}).")
@@ -235,24 +220,36 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    lr: float = opt(3e-4, "Peak learning rate.")
-    min_lr: float = opt(0.0, "Learning rate at the end of decay.")
-    lr_warmup_iters: int = opt(0, "Linear warm-up iterations.")
-    lr_warmup_fraction: float | None = opt(None, "Warm-up as a fraction of --lr-decay-iters (overrides iters).")
-    lr_decay_iters: int | None = opt(None, "Iterations over which the LR decays; None = --train-iters.")
+    lr: float = opt(3e-4, "Peak learning rate.", at_least=0)
+    min_lr: float = opt(0.0, "Learning rate at the end of decay.", at_least=0)
+    lr_warmup_iters: int = opt(0, "Linear warm-up iterations.", at_least=0)
+    lr_warmup_fraction: float | None = opt(None, "Warm-up as a fraction of --lr-decay-iters (overrides iters).",
+                                           at_least=0, at_most=1)
+    lr_decay_iters: int | None = opt(None, "Iterations over which the LR decays; None = --train-iters.", at_least=1)
     lr_decay_style: str = opt("cosine", "LR decay shape.", choices=("constant", "linear", "cosine", "wsd"))
-    lr_wsd_decay_fraction: float = opt(0.2, "For wsd: fraction of decay iterations spent in the final decay.")
-    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and norm weights).")
-    adam_beta1: float = opt(0.9, "AdamW beta1.")
-    adam_beta2: float = opt(0.95, "AdamW beta2.")
-    adam_eps: float = opt(1e-8, "AdamW epsilon.")
-    clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.")
+    lr_wsd_decay_fraction: float = opt(0.2, "For wsd: fraction of decay iterations spent in the final decay.",
+                                       at_least=0, at_most=1)
+    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and norm weights).", at_least=0)
+    adam_beta1: float = opt(0.9, "AdamW beta1.", at_least=0, below=1)
+    adam_beta2: float = opt(0.95, "AdamW beta2.", at_least=0, below=1)
+    adam_eps: float = opt(1e-8, "AdamW epsilon.", above=0)
+    clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.", at_least=0)
 
     def __post_init__(self) -> None:
-        require(self.lr >= 0 and self.min_lr >= 0, "--lr and --min-lr must be >= 0.")
+        check_bounds(self)
         require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
-        require(self.clip_grad >= 0, "--clip-grad must be >= 0 (0 disables clipping).")
-        require(self.lr_warmup_iters >= 0, "--lr-warmup-iters must be >= 0.")
+        warmup = (f"--lr-warmup-fraction {self.lr_warmup_fraction} of it" if self.lr_warmup_fraction is not None
+                  else f"--lr-warmup-iters ({self.lr_warmup_iters})")
+        require(self.lr_decay_style == "constant" or self.lr_decay_iters is None
+                or self.warmup_iters(self.lr_decay_iters) < self.lr_decay_iters,
+                f"the warm-up ({warmup}) must end before --lr-decay-iters ({self.lr_decay_iters}), or the LR "
+                f"jumps from its peak to --min-lr; shorten the warm-up or raise --lr-decay-iters.")
+
+    def warmup_iters(self, decay_iters: int) -> int:
+        """Warm-up iterations: --lr-warmup-fraction of the decay span when given, else --lr-warmup-iters."""
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * decay_iters)
+        return self.lr_warmup_iters
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -265,50 +262,49 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig:
-    micro_batch_size: int = opt(4, "Samples per micro-batch per data-parallel rank.")
-    global_batch_size: int = opt(16, "Samples per optimizer step over all data-parallel ranks.")
-    train_iters: int = opt(100, "Optimizer steps to run.")
-    seed: int = opt(1234, "Seed for weights, data order and dropout.")
+    micro_batch_size: int = opt(4, "Samples per micro-batch per data-parallel rank.", at_least=1)
+    global_batch_size: int = opt(16, "Samples per optimizer step over all data-parallel ranks.", at_least=1)
+    train_iters: int = opt(100, "Optimizer steps to run.", at_least=1)
+    seed: int = opt(1234, "Seed for weights, data order and dropout.", at_least=0)
     deterministic: bool = opt(False, "Deterministic kernels only (slower on GPU): what bitwise resume on CUDA needs.")
     device: str = opt("auto", "cpu, cuda, or auto (cuda when available).", choices=("auto", "cpu", "cuda"))
     bf16: bool = opt(False, "bf16 compute weights with fp32 master weights.")
     fp16: bool = opt(False, "fp16 compute weights with fp32 master weights and dynamic loss scaling.")
     main_grads_dtype: str = opt("fp32", "Dtype of the accumulated main gradients with --bf16/--fp16 "
                                 "(bf16 = the ZeRO paper's 2+2+12 bytes/param).", choices=("fp32", "bf16"))
-    initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.")
-    min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.")
-    loss_scale_window: int = opt(1000, "--fp16: double the loss scale after this many steps without overflow.")
+    initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.", above=0)
+    min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.", above=0)
+    loss_scale_window: int = opt(1000, "--fp16: double the loss scale after this many steps without overflow.",
+                                 at_least=1)
     max_skipped_steps: int = opt(10, "Stop the run after this many consecutive steps skipped for a non-finite "
                                  "loss or grad norm (fp16 loss-scale halvings above --min-loss-scale "
-                                 "do not count); 0 = never stop.")
-    eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.")
-    eval_iters: int = opt(2, "Global batches per evaluation.")
+                                 "do not count); 0 = never stop.", at_least=0)
+    eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.", at_least=0)
+    eval_iters: int = opt(2, "Global batches per evaluation (>= 1 when --eval-interval is set).", at_least=0)
     recompute: str = opt("none", "Activation recomputation: none; selective (re-run the attention core in "
                          "backward); full (keep only each block's input, re-run the block).",
                          choices=("none", "selective", "full"))
     recompute_num_layers: int | None = opt(None, "With --recompute full: recompute only the first N blocks of "
-                                           "each model chunk; None = all of them.")
+                                           "each model chunk; None = all of them.", at_least=0)
 
     def __post_init__(self) -> None:
         require(self.recompute in ("none", "selective", "full"),
                  f"--recompute must be none, selective or full, got {self.recompute!r}.")
-        require(self.recompute_num_layers is None or self.recompute_num_layers >= 0,
-                 "--recompute-num-layers must be >= 0 (or omitted for all blocks).")
-        for name in ("micro_batch_size", "global_batch_size", "train_iters"):
-            require(getattr(self, name) >= 1, f"{flag(name)} must be >= 1, got {getattr(self, name)}.")
+        check_bounds(self)
+        require(self.eval_iters >= 1 or not self.eval_interval,
+                f"--eval-iters 0 with --eval-interval {self.eval_interval} evaluates no batch; pass --eval-iters "
+                f">= 1, or --eval-interval 0 to turn evaluation off.")
         require(not (self.bf16 and self.fp16), "--bf16 and --fp16 are exclusive; pick one.")
         require(self.main_grads_dtype == "fp32" or self.bf16 or self.fp16,
                  "--main-grads-dtype bf16 needs --bf16 or --fp16; drop it for fp32 training.")
-        require(self.initial_loss_scale > 0 and 0 < self.min_loss_scale <= self.initial_loss_scale,
-                 "--initial-loss-scale must be >= --min-loss-scale > 0.")
-        require(self.loss_scale_window >= 1, "--loss-scale-window must be >= 1.")
-        require(self.max_skipped_steps >= 0,
-                 f"--max-skipped-steps must be >= 0 (0 = never stop), got {self.max_skipped_steps}.")
+        require(self.min_loss_scale <= self.initial_loss_scale,
+                f"--min-loss-scale ({self.min_loss_scale}) must not exceed --initial-loss-scale "
+                f"({self.initial_loss_scale}).")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
-    log_interval: int = opt(10, "Print and record metrics every N iterations.")
+    log_interval: int = opt(10, "Print and record metrics every N iterations.", at_least=1)
     metrics_file: str | None = opt(None, "Append one JSON object per logged iteration to this file.")
     timeline: str | None = opt(None, "Write each rank's forward/backward spans as Chrome-trace JSON to this path "
                                "('{rank}' in it is replaced, else '.rank<N>' is added before the extension).")
@@ -322,21 +318,20 @@ class LoggingConfig:
     wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.")
 
     def __post_init__(self) -> None:
-        require(self.log_interval >= 1, "--log-interval must be >= 1.")
+        check_bounds(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = opt(None, "Folder to write checkpoints to (each iteration in its own iter_* folder).")
     save_interval: int = opt(0, "Save every N iterations (and at the end, and on SIGTERM/SIGINT); 0 = only "
-                                "at the end and on a signal.")
+                                "at the end and on a signal.", at_least=0)
     load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
                                  "tp/pp/dp/zero layout loads into any other of the same model.")
-    keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.")
+    keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.", at_least=1)
 
     def __post_init__(self) -> None:
-        require(self.save_interval >= 0, "--save-interval must be >= 0.")
-        require(self.keep_last is None or self.keep_last >= 1, "--keep-last must be >= 1.")
+        check_bounds(self)
 
 
 def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -33,6 +33,7 @@ sys.path.insert(0, ROOT)
 
 from megazero.arguments import parse_config  # noqa: E402
 from megazero.config import ParallelConfig  # noqa: E402
+from megazero.config_fields import Bounds  # noqa: E402
 from megazero.memory import (Hardware, format_candidates, format_plan, format_rows, plan_for_run,  # noqa: E402
                              plan_memory, search_layouts)
 
@@ -67,6 +68,21 @@ if "offload_params" not in {f.name for f in fields(ParallelConfig)}:  # until th
                                        "help": "ZeRO 3: where the parameter shards live between uses (planned)."}))
 
 
+EXTRA_BOUNDS = {"dp": Bounds(low=1), "gpus": Bounds(low=1), "gpu_memory": Bounds(low=0, low_open=True),
+                "gpus_per_node": Bounds(low=1), "top": Bounds(low=1), "peak_tflops": Bounds(low=0, low_open=True),
+                "efficiency": Bounds(low=0, low_open=True, high=1), "intra_node_gbps": Bounds(low=0, low_open=True),
+                "inter_node_gbps": Bounds(low=0, low_open=True), "headroom": Bounds(low=0, high=1, high_open=True),
+                "host_memory": Bounds(low=0), "disk_space": Bounds(low=0)}
+
+
+def _check_extra_bounds(ns) -> None:
+    """This tool's own numeric flags in range (the training flags are checked by the config)."""
+    for name, bounds in EXTRA_BOUNDS.items():
+        value = getattr(ns, name)
+        if value is not None and not bounds.holds(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be {bounds}, got {value}; pass a value in that range.")
+
+
 def _with_planned_path(argv: list[str]) -> list[str]:
     """``argv`` plus a stand-in --offload-path when disk offload is asked for without one."""
     disk = any(a in ("--offload-optimizer", "--offload-params") and i + 1 < len(argv) and argv[i + 1] == "disk"
@@ -93,6 +109,7 @@ def _tier(where: str, cfg) -> dict[str, object]:
 def report(argv: list[str]) -> tuple[int, str]:
     """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
     cfg, ns = parse_config(_with_planned_path(list(argv)), prog="plan_memory.py", extra=EXTRA)
+    _check_extra_bounds(ns)
     if ns.gpus is None and ns.zero_stages:
         tiers = ns.offload_tiers or [cfg.parallel.offload_optimizer]
         plans = [_plan(cfg, ns, zero=z, **_tier(t, cfg)) for z in ns.zero_stages for t in tiers]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -17,6 +18,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def json_safe(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` as strict JSON allows: a NaN or infinite number becomes null, and ``<key>_nonfinite``
+    says which it was ("nan", "inf", "-inf"), so a skipped step's line still parses everywhere."""
+    safe: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, dict):
+            value = json_safe(value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            safe[key], safe[f"{key}_nonfinite"] = None, str(value)
+            continue
+        safe[key] = value
+    return safe
+
+
 class MetricsLog:
     """Appends JSON lines to ``path`` (when given) and prints human lines, on the logging rank only."""
 
@@ -29,7 +44,7 @@ class MetricsLog:
 
     def record(self, record: dict[str, Any]) -> None:
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
             self.file.flush()
 
     def print(self, line: str) -> None:

@@ -6,7 +6,7 @@ input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
 
-import os
+from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -33,6 +33,7 @@ from ..tensor_parallel.random import seed_everything
 from .device_setup import apply_determinism, prepare_cuda_env
 from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
+from .ownership import own_folders
 from .preflight import check_output_paths
 from .trainer import Trainer
 from .wandb_log import WandbLogger
@@ -120,13 +121,13 @@ def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module]
     """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
     folder, meta = found
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-    if ckpt_load.same_layout(meta, plan) and ckpt_load.has_rng(meta):  # exact resume: generators too
+    if ckpt_load.same_streams(meta, plan) and ckpt_load.has_rng(meta):  # any ZeRO stage: generators too
         ckpt_load.load_rng(folder, pstate, chunks[0].ctx.rng)
     return int(meta["iteration"]), int(meta["consumed_samples"])
 
 
 def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-           batches: MicroBatchIterator):
+           batches: MicroBatchIterator, loaded: str | None = None):
     if not cfg.checkpoint.save:
         return None
 
@@ -134,7 +135,8 @@ def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Mo
         optimizer.wait_param_gather()
         save_checkpoint(cfg.checkpoint.save, iteration=iteration, consumed_samples=batches.consumed_samples,
                         cfg=cfg, plan=plan, pstate=pstate, chunks=chunks, optimizer=optimizer,
-                        tp_rng=chunks[0].ctx.rng, keep_last=cfg.checkpoint.keep_last)
+                        tp_rng=chunks[0].ctx.rng, keep_last=cfg.checkpoint.keep_last,
+                        loaded=loaded)  # --keep-last never removes the checkpoint this run resumed from
 
     return save
 
@@ -148,16 +150,6 @@ def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | N
                        directory=lg.wandb_dir)
 
 
-def _restarts_share_the_store() -> bool:
-    """Whether torchrun may restart these workers on the store it shares with them (its default).
-
-    Restarted workers can then read the dead ones' addresses from it and fail to connect, or hang
-    (torch 2.13 on gloo: 5 of 6 restarts in tests/training/test_restart.py failed without the variable).
-    """
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
 def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Callable]:
     """Validate (before any process group, so bad input fails alike on every rank), then build the groups."""
     plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())
@@ -165,14 +157,10 @@ def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Calla
     apply_determinism(cfg.training.deterministic)
     device = default_device(cfg.training.device)
     timeout = timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    init_distributed(device, timeout)
+    init_distributed(device, timeout)  # under torchrun, on a store of this restart attempt's own (state.py)
     check_output_paths(cfg)  # an unusable --save/--metrics-file/... fails now, the same on every rank
     say = log_fn if dist.get_rank() == 0 else (lambda *_: None)
     say(f"megazero: building process groups for {plan.layout} on {device}")
-    if _restarts_share_the_store():
-        say("megazero: warning: torchrun --max-restarts with its shared rendezvous store can give restarted workers "
-            "the dead workers' addresses (pytorch/pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-            "before torchrun (tools/launch_slurm.sh does)")
     if cuda_env and device.type == "cuda":
         say("megazero: set " + ", ".join(f"{k}={v}" for k, v in cuda_env.items()) + " (see device_setup.py)")
     pstate = ParallelState.build(plan.layout, device, timeout)
@@ -190,8 +178,27 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     if found:  # the model is the checkpoint's; explicit flags must agree with it (before any check uses it)
         cfg, taken = ckpt_load.merge_config(found[1], cfg)
     plan, pstate, say = _start(cfg, log_fn)
+    with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
+        own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
+        cfg, plan, data = _prepare(cfg, plan, pstate, say, found, taken)
+        chunks = build_model_chunks(cfg, plan, pstate)
+        if found:
+            say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
+            ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
+        optimizer = build_optimizer(cfg, plan, chunks, pstate)
+        owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
+        if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
+            keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
+        start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
+        loaded = found[0] if found else None
+        return _trainer(cfg, plan, pstate, chunks, optimizer, data, start, consumed, owned, loaded).train()
+
+
+def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
+             found: tuple[str, dict[str, Any]] | None, taken: list[str]) -> tuple[Config, RunPlan, DataBundle]:
+    """The data, the run's plan (the vocabulary is known once the tokenizer is read) and the seeds."""
     cfg, data = _data(cfg, pstate.rank, say, found)
-    plan = RunPlan.resolve(cfg, plan.layout)  # the run's plan: the vocabulary is known now
+    plan = RunPlan.resolve(cfg, plan.layout)
     if cfg.checkpoint.load and not found:  # the restart idiom, first start
         say(f"megazero: --load {cfg.checkpoint.load} is the --save folder and holds no checkpoint yet; "
             f"starting from scratch (a restart will resume from its latest checkpoint)")
@@ -201,30 +208,24 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     seed_everything(cfg.training.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
         f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")
-    chunks = build_model_chunks(cfg, plan, pstate)
-    if found:
-        say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
-        ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
-    optimizer = build_optimizer(cfg, plan, chunks, pstate)
-    if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
-        keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
-    start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
+    return cfg, plan, data
+
+
+def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
+             data: DataBundle, start: int, consumed: int, owned: ExitStack, loaded: str | None) -> Trainer:
+    """The loop over this run's batches; the metrics file and wandb close with ``owned``."""
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None
     if data.valid is not None and cfg.training.eval_interval:
         eval_batches = lambda: MicroBatchIterator.from_plan(data.valid, plan, pstate.dp_rank)  # noqa: E731
     log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
+    owned.callback(log.close)
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)
     wandb = _wandb(cfg, plan, pstate)
+    if wandb is not None:
+        owned.callback(wandb.finish)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
-    trainer = Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
-                      start_iteration=start, eval_batches=eval_batches,
-                      save=_saver(cfg, plan, pstate, chunks, optimizer, batches), wandb=wandb)
-    try:
-        return trainer.train()
-    finally:
-        log.close()
-        optimizer.close()  # --offload-optimizer disk: this rank's state file goes
-        if wandb is not None:
-            wandb.finish()
+    return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
+                   start_iteration=start, eval_batches=eval_batches,
+                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, loaded), wandb=wandb)

@@ -36,7 +36,7 @@ bench: $(BENCH_STAMP)
 
 # The CUDA-marked tests (tests/cuda) and bench/gpu_mfu.py, run by the first of the venv's python and python3
 # whose torch sees a GPU (a GPU machine's own torch is often the system one). Without one it says so and
-# exits 0. README "GPU" says what it checks.
+# exits 0. docs/gpu.md says what it checks.
 CUDA_PROBE := import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
 
 gpu-check:

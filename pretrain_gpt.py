@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg, ns = parse_config(argv, extra=DRY_RUN_FLAGS)
         _check_dry_run_flags(ns)
         if ns.dry_run:  # the memory plan of this configuration; no process group, no model
-            from megazero.memory import format_plan, plan_for_run
+            from megazero.memory import format_plan, plan_for_run, planned_world
 
-            world = cfg.parallel.tp * cfg.parallel.pp * ns.dp if ns.dp else world_size_from_env()
+            world = planned_world(cfg, ns.dp) if ns.dp else world_size_from_env()
             print(format_plan(plan_for_run(cfg, world)))
             return 0
         run(cfg)

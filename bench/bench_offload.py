@@ -103,7 +103,6 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     import torch
     from megazero.config import Config
     from megazero.optimizer.accounting import measured_state_bytes
-    from megazero.parallel.layout import Layout
     from megazero.parallel.state import ParallelState
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
@@ -121,10 +120,9 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     if "disk" in (optimizer, params):
         settings["offload_path"] = offload_dir
     cfg = Config.from_flat(settings)
-    layout = Layout.from_world(1, 1, 1)
     pstate = ParallelState.serial("cpu")
     seed_everything(SEED, 0)
-    plan = RunPlan.resolve(cfg, layout)
+    plan = RunPlan.resolve(cfg, 1)
     chunks = build_model_chunks(cfg, plan, pstate)
     opt = build_optimizer(cfg, plan, chunks, pstate)
     schedule = build_schedule(plan)
@@ -149,7 +147,6 @@ def deepspeed_row(_: str) -> dict:
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
     import deepspeed
-    import torch
     import torch.distributed as dist
     from megazero.config import ModelConfig
     from megazero.model.gpt import GPTModel

@@ -67,7 +67,7 @@ def make_cfg(pp: int, m: int, vp: int, steps: int) -> Config:
 
 def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:
     """Train ``train_iters`` steps with the timeline on; this rank's compute spans per step."""
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,

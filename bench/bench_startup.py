@@ -80,18 +80,17 @@ def child(method: str, tp: int, tp_rank: int, pp_rank: int, num_layers: int) -> 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megazero.config import Config
-    from megazero.parallel.layout import Layout
     from megazero.parallel.state import ParallelState
     from megazero.pipeline.partition import build_chunks
     from megazero.run_plan import RunPlan
 
-    layout = Layout(tp=tp, dp=1, pp=PP)
+    cfg = Config.from_flat({**MODEL, "num_layers": num_layers, "tensor_model_parallel_size": tp,
+                            "pipeline_model_parallel_size": PP, "micro_batch_size": 1, "global_batch_size": PP})
+    plan = RunPlan.resolve(cfg, tp * PP)  # dp 1
+    layout = plan.layout
     dist.init_process_group("fake", rank=layout.rank(tp_rank, 0, pp_rank), world_size=layout.world_size,
                             store=FakeStore())
     pstate = ParallelState.build(layout, "cpu")
-    cfg = Config.from_flat({**MODEL, "num_layers": num_layers, "tensor_model_parallel_size": tp,
-                            "pipeline_model_parallel_size": PP, "micro_batch_size": 1, "global_batch_size": PP})
-    plan = RunPlan.resolve(cfg, layout)
     before = _rss_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
     model = old_build(cfg, plan, pstate) if method == "old" else build_chunks(cfg, plan, pstate)[0]

@@ -40,7 +40,7 @@ def build_config(args: argparse.Namespace, dp: int):
     return Config.from_flat(settings)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
@@ -52,7 +52,11 @@ def main() -> None:
     parser.add_argument("--no-reshard", action="store_true", help="ZeRO 3: keep units gathered until backward")
     parser.add_argument("--name", default="megazero")
     common.add_workload_args(parser)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
     work = common.Workload(args.steps, args.warmup)
     from megazero.training.host_memory import keep_freed_host_memory
 
@@ -60,18 +64,16 @@ def main() -> None:
     rank, world = common.init_world()
 
     from megazero.optimizer.accounting import measured_state_bytes as mz_state_bytes
-    from megazero.parallel.layout import Layout
     from megazero.parallel.state import ParallelState
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
     from megazero.training.run import build_model_chunks, build_optimizer
 
-    layout = Layout.from_world(world, args.tp, args.pp)
-    cfg = build_config(args, layout.dp)
-    pstate = ParallelState.build(layout, "cpu") if world > 1 else ParallelState.serial("cpu")
+    cfg = build_config(args, world // (args.tp * args.pp))  # the micro-batch that gives --micro-batches per step
+    plan = RunPlan.resolve(cfg, world)
+    pstate = ParallelState.build(plan.layout, "cpu") if world > 1 else ParallelState.serial("cpu")
     seed_everything(common.SEED, pstate.pp_rank)
-    plan = RunPlan.resolve(cfg, layout)
     chunks = build_model_chunks(cfg, plan, pstate)
     opt = build_optimizer(cfg, plan, chunks, pstate)
     schedule = build_schedule(plan)

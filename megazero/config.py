@@ -9,10 +9,39 @@ Sections are frozen: a change is ``Config.updated(...)``, which validates again.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .config_fields import ConfigError, check_bounds, flag, opt, require  # noqa: F401 (ConfigError, flag: re-exported)
+
+
+class Placement(str, enum.Enum):
+    """Where a kind of training state lives between uses (offload tiers; optimizer state: all three).
+
+    ``flag_word`` is the word ``--offload-optimizer``/``--offload-params`` (and the planner's tables) use:
+    none = the device, cpu = host memory (pinned on CUDA), disk = per-rank files under --offload-path.
+    """
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+    @property
+    def flag_word(self) -> str:
+        return _OFFLOAD_FLAGS[self.value]
+
+    @property
+    def offloaded(self) -> bool:
+        return self is not Placement.DEVICE
+
+    @classmethod
+    def from_flag_word(cls, word: str) -> "Placement":
+        return cls({flag_word: value for value, flag_word in _OFFLOAD_FLAGS.items()}[word])
+
+
+_OFFLOAD_FLAGS = {"device": "none", "host": "cpu", "disk": "disk"}  # Placement value -> flag word
+OFFLOAD_FLAGS = tuple(_OFFLOAD_FLAGS.values())  # the choices of --offload-optimizer/--offload-params
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,10 +78,10 @@ class ParallelConfig:
         "None or 1 = one chunk.", at_least=1)
     offload_optimizer: str = opt("none", "Where the fp32 master weights and Adam moments live: none (the device), "
                                  "cpu (host memory; the step runs there) or disk (per-rank files under "
-                                 "--offload-path, streamed bucket by bucket).", choices=("none", "cpu", "disk"))
+                                 "--offload-path, streamed bucket by bucket).", choices=OFFLOAD_FLAGS)
     offload_params: str = opt("none", "ZeRO 3: where each rank's parameter shards live between uses: none (the "
                               "device), cpu (host memory) or disk (files under --offload-path); needs "
-                              "--offload-optimizer cpu or disk.", choices=("none", "cpu", "disk"))
+                              "--offload-optimizer cpu or disk.", choices=OFFLOAD_FLAGS)
     offload_path: str | None = opt(None, "--offload-optimizer/--offload-params disk: folder for the per-rank files "
                                    "(a fast local disk; each rank writes rank<N>/ there).")
     offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one piece of state each) the step "
@@ -67,13 +96,16 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_bounds(self)
         require(self.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {self.zero}.")
+        words = f"{', '.join(OFFLOAD_FLAGS[:-1])} or {OFFLOAD_FLAGS[-1]}"
         for name, where in (("optimizer", self.offload_optimizer), ("params", self.offload_params)):
-            require(where in ("none", "cpu", "disk"), f"--offload-{name} must be none, cpu or disk, got {where!r}.")
-        require(self.offload_params == "none" or (self.zero == 3 and self.offload_optimizer != "none"),
+            require(where in OFFLOAD_FLAGS, f"--offload-{name} must be {words}, got {where!r}.")
+        optimizer = Placement.from_flag_word(self.offload_optimizer)
+        params = Placement.from_flag_word(self.offload_params)
+        require(not params.offloaded or (self.zero == 3 and optimizer.offloaded),
                  f"--offload-params {self.offload_params} needs --zero 3 (got {self.zero}) and --offload-optimizer "
                  f"cpu or disk (got {self.offload_optimizer}); add them or drop --offload-params.")
-        disk = "disk" in (self.offload_optimizer, self.offload_params)
-        which = "--offload-optimizer" if self.offload_optimizer == "disk" else "--offload-params"
+        disk = Placement.DISK in (optimizer, params)
+        which = "--offload-optimizer" if optimizer is Placement.DISK else "--offload-params"
         require(not disk or bool(self.offload_path), f"{which} disk needs --offload-path DIR (a folder for the "
                                                       f"per-rank state files).")
         require(self.offload_path is None or disk,
@@ -88,31 +120,6 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
-
-    def virtual_size(self, num_layers: int) -> int:
-        """Model chunks per pipeline rank, from either virtual-stage flag (they must agree)."""
-        per_stage, vp = self.num_layers_per_virtual_pipeline_stage, self.virtual_pipeline_size
-        if per_stage is None:
-            return vp or 1
-        require(num_layers % (self.pp * per_stage) == 0,
-                 f"--num-layers ({num_layers}) must be divisible by --pp ({self.pp}) x "
-                 f"--num-layers-per-virtual-pipeline-stage ({per_stage}); change one of them.")
-        derived = num_layers // (self.pp * per_stage)
-        require(vp is None or vp == derived,
-                 f"--virtual-pipeline-size ({vp}) disagrees with --num-layers-per-virtual-pipeline-stage "
-                 f"({per_stage}), which gives {derived} chunks; pass only one of them.")
-        return derived
-
-    def schedule_name(self, vp: int) -> str:
-        """The schedule to run with ``vp`` chunks per rank: the flag, or 1f1b / interleaved by default."""
-        name = self.pipeline_schedule or ("interleaved" if vp > 1 else "1f1b")
-        require(name != "interleaved" or vp > 1,
-                 "--pipeline-schedule interleaved needs --virtual-pipeline-size (or "
-                 "--num-layers-per-virtual-pipeline-stage) giving >= 2 chunks per rank.")
-        require(name == "interleaved" or vp == 1,
-                 f"--pipeline-schedule {name} runs one chunk per rank; drop the virtual-stage flags or use "
-                 f"--pipeline-schedule interleaved.")
-        return name
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,8 @@
 """The run plan: every fact derived from the validated config, resolved once.
 
-``RunPlan.resolve(cfg, layout)`` checks the config against the world's layout
-and fixes what the rest of the code needs to know - the parallel degrees, the
+``RunPlan.resolve(cfg, world_size)`` lays the world out (tp x dp x pp from
+``--tp``/``--pp``), checks the config against it and fixes what the rest of the
+code needs to know - the parallel degrees, the
 virtual stages, the ZeRO stage, the schedule, micro-batches per step, the
 activation shape between pipeline stages, the dtypes, the padded vocabulary
 and where each kind of training state lives. Partitioning, schedules, the
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .config import Config, ConfigError, require
+from .config import Config, ParallelConfig, Placement, require  # noqa: F401 (Placement: re-exported)
 from .parallel.layout import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -51,19 +52,11 @@ class ZeroStage(enum.IntEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class UnitGathering:
-    """How ZeRO 3 gathers parameters (``optimizer/param_units.py``)."""
+    """How ZeRO 3 gathers parameters (``data_parallel/zero3.py``)."""
 
     layers_per_unit: int = 1  # transformer blocks per unit; each chunk's embeddings + head are one more
     prefetch: int = 1  # units whose all-gather runs ahead of the one computing
     reshard_after_forward: bool = True  # False: keep a unit gathered from its forward to its backward
-
-
-class Placement(str, enum.Enum):
-    """Where a kind of training state lives between uses (offload tiers; optimizer state: all three)."""
-
-    DEVICE = "device"
-    HOST = "host"
-    DISK = "disk"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,10 +88,10 @@ class RunPlan:
     gathering: UnitGathering | None = None  # ZeRO 3 only
 
     @classmethod
-    def resolve(cls, cfg: Config, layout: Layout) -> "RunPlan":
-        """Validate ``cfg`` for ``layout`` and derive the plan; raises ConfigError naming the flag."""
-        if (layout.tp, layout.pp) != (cfg.parallel.tp, cfg.parallel.pp):
-            raise ConfigError(f"layout {layout} does not match --tp {cfg.parallel.tp} --pp {cfg.parallel.pp}.")
+    def resolve(cls, cfg: Config, world_size: int) -> "RunPlan":
+        """Lay ``world_size`` ranks out for ``cfg``, validate and derive the plan; raises ConfigError naming
+        the flag. The planner passes the world of a layout it only considers (tp x pp x dp)."""
+        layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
         _check_tensor_parallel(cfg)
         micro_batches = _micro_batches(cfg, layout.dp)
         vp, schedule = _pipeline(cfg, layout.dp, micro_batches)
@@ -144,8 +137,8 @@ def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, A
 
 def _placement(cfg: Config) -> StatePlacement:
     p = cfg.parallel
-    where = {"none": Placement.DEVICE, "cpu": Placement.HOST, "disk": Placement.DISK}
-    return StatePlacement(optimizer_state=where[p.offload_optimizer], parameters=where[p.offload_params],
+    return StatePlacement(optimizer_state=Placement.from_flag_word(p.offload_optimizer),
+                          parameters=Placement.from_flag_word(p.offload_params),
                           offload_path=p.offload_path, offload_buffers=p.offload_buffers,
                           offload_buffer_size=p.offload_buffer_size)
 
@@ -177,11 +170,11 @@ def _pipeline(cfg: Config, dp: int, micro_batches: int) -> tuple[int, str]:
                            f"every stage needs at least one layer, so lower --pp.")
     require(layers % pp == 0, f"--num-layers ({layers}) must be divisible by --pp ({pp}); "
                                f"choose a --pp that divides the layer count.")
-    vp = cfg.parallel.virtual_size(layers)
+    vp = _virtual_stages(cfg.parallel, layers)
     require(layers % (pp * vp) == 0,
              f"--num-layers ({layers}) must be divisible by --pp ({pp}) x --virtual-pipeline-size ({vp}); "
              f"change one of them.")
-    schedule, m = cfg.parallel.schedule_name(vp), micro_batches
+    schedule, m = _schedule_name(cfg.parallel, vp), micro_batches
     if schedule == "interleaved":
         require(pp >= 2, "the interleaved schedule needs --pp >= 2; drop the virtual-stage flags.")
         require(m % pp == 0,
@@ -189,6 +182,33 @@ def _pipeline(cfg: Config, dp: int, micro_batches: int) -> tuple[int, str]:
                  f"{cfg.training.global_batch_size} / (--micro-batch-size {cfg.training.micro_batch_size} "
                  f"x dp {dp})) divisible by --pp ({pp}); adjust --global-batch-size.")
     return vp, schedule
+
+
+def _virtual_stages(p: ParallelConfig, num_layers: int) -> int:
+    """Model chunks per pipeline rank, from either virtual-stage flag (they must agree)."""
+    per_stage, vp = p.num_layers_per_virtual_pipeline_stage, p.virtual_pipeline_size
+    if per_stage is None:
+        return vp or 1
+    require(num_layers % (p.pp * per_stage) == 0,
+             f"--num-layers ({num_layers}) must be divisible by --pp ({p.pp}) x "
+             f"--num-layers-per-virtual-pipeline-stage ({per_stage}); change one of them.")
+    derived = num_layers // (p.pp * per_stage)
+    require(vp is None or vp == derived,
+             f"--virtual-pipeline-size ({vp}) disagrees with --num-layers-per-virtual-pipeline-stage "
+             f"({per_stage}), which gives {derived} chunks; pass only one of them.")
+    return derived
+
+
+def _schedule_name(p: ParallelConfig, vp: int) -> str:
+    """The schedule to run with ``vp`` chunks per rank: the flag, or 1f1b / interleaved by default."""
+    name = p.pipeline_schedule or ("interleaved" if vp > 1 else "1f1b")
+    require(name != "interleaved" or vp > 1,
+             "--pipeline-schedule interleaved needs --virtual-pipeline-size (or "
+             "--num-layers-per-virtual-pipeline-stage) giving >= 2 chunks per rank.")
+    require(name == "interleaved" or vp == 1,
+             f"--pipeline-schedule {name} runs one chunk per rank; drop the virtual-stage flags or use "
+             f"--pipeline-schedule interleaved.")
+    return name
 
 
 def _check_tensor_parallel(cfg: Config) -> None:

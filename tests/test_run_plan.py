@@ -23,7 +23,7 @@ def test_interleaved_tp_sp_layout():
     # SP cuts the sequence: [32 / 2, 2, 64]; vocab 300 pads to a multiple of 128 x 2 = 256 -> 512.
     cfg = _cfg(tp=2, pp=2, virtual_pipeline_size=2, sequence_parallel=True, micro_batch_size=2,
                global_batch_size=16, vocab_size=300, zero=1)
-    plan = RunPlan.resolve(cfg, Layout.from_world(8, 2, 2))
+    plan = RunPlan.resolve(cfg, 8)
     assert (plan.tp, plan.pp, plan.dp, plan.world_size) == (2, 2, 2, 8)
     assert (plan.virtual_stages, plan.schedule, plan.micro_batches) == (2, "interleaved", 4)
     assert plan.stage_shape == (16, 2, 64)
@@ -37,7 +37,7 @@ def test_interleaved_tp_sp_layout():
 def test_data_parallel_only_bf16_zero2():
     # dp 4: m = 32 / (2 x 4) = 4; pp = 1 runs no pipeline; the vocabulary is not known yet.
     cfg = _cfg(zero=2, bf16=True, main_grads_dtype="bf16", micro_batch_size=2, global_batch_size=32)
-    plan = RunPlan.resolve(cfg, Layout.from_world(4, 1, 1))
+    plan = RunPlan.resolve(cfg, 4)
     assert (plan.dp, plan.micro_batches, plan.schedule, plan.virtual_stages) == (4, 4, "no-pipelining", 1)
     assert plan.stage_shape == (32, 2, 64)
     assert (plan.compute_dtype, plan.main_grads_dtype) == (torch.bfloat16, torch.bfloat16)
@@ -48,7 +48,7 @@ def test_data_parallel_only_bf16_zero2():
 def test_gpipe_tp4_fp16():
     # tp 4 x pp 4, dp 1: m = 16 / 4 = 4; no SP so the full sequence; vocab 1000 -> multiple of 512 -> 1024.
     cfg = _cfg(tp=4, pp=4, pipeline_schedule="gpipe", fp16=True, vocab_size=1000)
-    plan = RunPlan.resolve(cfg, Layout.from_world(16, 4, 4))
+    plan = RunPlan.resolve(cfg, 16)
     assert (plan.dp, plan.micro_batches, plan.schedule, plan.virtual_stages) == (1, 4, "gpipe", 1)
     assert plan.stage_shape == (32, 4, 64)
     assert (plan.compute_dtype, plan.main_grads_dtype) == (torch.float16, torch.float32)
@@ -57,7 +57,7 @@ def test_gpipe_tp4_fp16():
 
 def test_config_and_plan_are_frozen():
     cfg = _cfg(vocab_size=300)
-    plan = RunPlan.resolve(cfg, Layout(1, 1, 1))
+    plan = RunPlan.resolve(cfg, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.hidden_size = 128
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -73,7 +73,7 @@ def test_updated_revalidates_and_the_plan_follows():
     bigger = cfg.updated(vocab_size=700, lr=1e-3)
     assert (bigger.model.vocab_size, bigger.optimizer.lr, cfg.model.vocab_size) == (700, 1e-3, 300)
     assert bigger.model.hidden_size == 64 and bigger.training == cfg.training  # untouched sections kept
-    assert RunPlan.resolve(bigger, Layout(1, 1, 1)).padded_vocab_size == 768
+    assert RunPlan.resolve(bigger, 1).padded_vocab_size == 768
     with pytest.raises(ConfigError, match="--hidden-size"):
         cfg.updated(hidden_size=66)  # not divisible by 4 heads: __post_init__ ran again
     with pytest.raises(ConfigError, match="--min-lr"):
@@ -84,19 +84,19 @@ def test_updated_revalidates_and_the_plan_follows():
     assert explicit.explicit == {"lr"} and explicit.updated(seed=3).explicit == {"lr"}
 
 
-@pytest.mark.parametrize("settings,world,tp,pp,words", [
-    ({"tp": 3}, 3, 3, 1, "--tensor-model-parallel-size (3)"),
-    ({"global_batch_size": 12, "micro_batch_size": 4}, 2, 1, 1, "--global-batch-size (12)"),
-    ({"pp": 3}, 3, 3, 1, "--pp 3"),  # the layout given is not the config's
-    ({"pp": 2, "virtual_pipeline_size": 2, "global_batch_size": 6, "micro_batch_size": 2}, 2, 1, 2,
+@pytest.mark.parametrize("settings,world,words", [
+    ({"tp": 3}, 3, "--tensor-model-parallel-size (3)"),
+    ({"global_batch_size": 12, "micro_batch_size": 4}, 2, "--global-batch-size (12)"),
+    ({"pp": 3}, 4, "--tp 1 x --pp 3"),  # the world does not factor into the config's tp x pp
+    ({"pp": 2, "virtual_pipeline_size": 2, "global_batch_size": 6, "micro_batch_size": 2}, 2,
      "micro-batches per step (3 = --global-batch-size 6"),
-    ({"sequence_parallel": True, "tp": 4, "seq_length": 30, "hidden_size": 64, "num_attention_heads": 4}, 4, 4, 1,
+    ({"sequence_parallel": True, "tp": 4, "seq_length": 30, "hidden_size": 64, "num_attention_heads": 4}, 4,
      "--seq-length (30)"),
 ])
-def test_errors_name_the_flag(settings, world, tp, pp, words):
+def test_errors_name_the_flag(settings, world, words):
     cfg = _cfg(**settings)
     with pytest.raises(ConfigError) as err:
-        RunPlan.resolve(cfg, Layout.from_world(world, tp, pp))
+        RunPlan.resolve(cfg, world)
     assert words in str(err.value), str(err.value)
 
 
@@ -110,12 +110,12 @@ def test_zero3_gathering_from_flags():
     from megazero.arguments import parse_config
     cfg, _ = parse_config(["--zero", "3", "--zero3-prefetch", "2", "--zero3-unit-layers", "4",
                         "--no-reshard-after-forward", "--num-layers", "8"])
-    plan = RunPlan.resolve(cfg, Layout.from_world(2, 1, 1))
+    plan = RunPlan.resolve(cfg, 2)
     assert plan.zero is ZeroStage.PARAMETERS and plan.zero.shards_parameters and plan.zero.shards_gradients
     g = plan.gathering
     assert (g.layers_per_unit, g.prefetch, g.reshard_after_forward) == (4, 2, False)
     assert plan.layout_record()["zero"] == 3
-    assert RunPlan.resolve(_cfg(zero=2), Layout.from_world(2, 1, 1)).gathering is None
+    assert RunPlan.resolve(_cfg(zero=2), 2).gathering is None
 
 
 @pytest.mark.parametrize("settings,words", [({"zero": 4}, "--zero must be 0, 1, 2 or 3"),

@@ -5,7 +5,7 @@
     python tools/plan_memory.py ... --gpus 64 --gpu-memory 80 [--gpus-per-node 8]   # search
     python tools/plan_memory.py ... --offload-optimizer cpu|disk [--offload-params cpu|disk]   # host / disk bytes
     python tools/plan_memory.py ... --gpus 8 --gpu-memory 40 --search-offload    # also layouts needing offload
-    python tools/plan_memory.py --write-docs          # regenerate the planner blocks of README/docs
+    python tools/plan_memory.py --write-docs          # regenerate the planner blocks of docs/
 
 Takes pretrain_gpt.py's model and layout flags; ``--dp`` (default 1) stands in
 for the world size the launcher would give. The search keeps the model, seq
@@ -15,7 +15,7 @@ layouts that do not fit otherwise). Offload costs are assumption-based (bandwidt
 ``megazero/memory/offload.py``). ``--offload-optimizer disk`` needs no real
 ``--offload-path`` here: the planner writes nothing. Arithmetic: ``megazero.memory``.
 
-The 7B and 70B tables in README.md and docs/planner_7b.md are this tool's output,
+The 7B and 70B tables in docs/memory_planner.md and docs/planner_7b.md are this tool's output,
 pasted between ``<!-- plan:NAME begin -->`` / ``<!-- plan:NAME end -->``
 markers by ``--write-docs``; tests/memory/test_docs_tables.py fails when they drift.
 """
@@ -26,18 +26,14 @@ import os
 import re
 import shlex
 import sys
-from dataclasses import fields, replace
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from megazero.arguments import parse_config  # noqa: E402
-from megazero.config import ParallelConfig  # noqa: E402
+from megazero.config import OFFLOAD_FLAGS, Placement  # noqa: E402
 from megazero.config_fields import Bounds  # noqa: E402
-from megazero.memory import (Hardware, format_candidates, format_plan, format_rows, plan_for_run,  # noqa: E402
-                             plan_memory, search_layouts)
-
-PLANNED_PATH = "(planned)"  # stands in for --offload-path: the planner opens no file
+from megazero.memory import (PLANNED_PATH, Hardware, format_candidates, format_plan, format_rows,  # noqa: E402
+                             plan_for_run, planned_world, search_layouts, with_vocabulary)
 
 EXTRA = [
     ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x pp x dp)."}),
@@ -54,18 +50,15 @@ EXTRA = [
     ("--zero-stages", {"type": int, "nargs": "+", "choices": (0, 1, 2, 3), "default": None,
                        "help": "Plan the layout once per ZeRO stage given (overrides --zero): one row each, "
                                "the peak stage's figures."}),
-    ("--offload-tiers", {"nargs": "+", "choices": ("none", "cpu", "disk"), "default": None,
+    ("--offload-tiers", {"nargs": "+", "choices": OFFLOAD_FLAGS, "default": None,
                          "help": "With --zero-stages: one row per stage and --offload-optimizer placement given."}),
     ("--search-offload", {"action": "store_true", "help": "Search mode: retry layouts that do not fit with the "
                                                           "optimizer state (and ZeRO-3 parameters) offloaded."}),
     ("--host-memory", {"type": float, "default": 256.0, "help": "Search mode: host memory per GPU in GiB."}),
     ("--disk-space", {"type": float, "default": 3576.0, "help": "Search mode: offload disk per GPU in GiB."}),
-    ("--write-docs", {"action": "store_true", "help": "Regenerate the planner tables in README.md and "
+    ("--write-docs", {"action": "store_true", "help": "Regenerate the planner tables in docs/memory_planner.md and "
                                                       "docs/planner_7b.md (other flags are ignored)."}),
 ]
-if "offload_params" not in {f.name for f in fields(ParallelConfig)}:  # until the trainer has the flag
-    EXTRA.append(("--offload-params", {"default": "none", "choices": ("none", "cpu", "disk"),
-                                       "help": "ZeRO 3: where the parameter shards live between uses (planned)."}))
 
 
 EXTRA_BOUNDS = {"dp": Bounds(low=1), "gpus": Bounds(low=1), "gpu_memory": Bounds(low=0, low_open=True),
@@ -85,9 +78,10 @@ def _check_extra_bounds(ns) -> None:
 
 def _with_planned_path(argv: list[str]) -> list[str]:
     """``argv`` plus a stand-in --offload-path when disk offload is asked for without one."""
-    disk = any(a in ("--offload-optimizer", "--offload-params") and i + 1 < len(argv) and argv[i + 1] == "disk"
-               for i, a in enumerate(argv)) or any(a in argv for a in ("--offload-optimizer=disk",
-                                                                        "--offload-params=disk"))
+    word = Placement.DISK.flag_word
+    disk = any(a in ("--offload-optimizer", "--offload-params") and i + 1 < len(argv) and argv[i + 1] == word
+               for i, a in enumerate(argv)) or any(a in argv for a in (f"--offload-optimizer={word}",
+                                                                        f"--offload-params={word}"))
     has_path = any(a == "--offload-path" or a.startswith("--offload-path=") for a in argv)
     return argv + ["--offload-path", PLANNED_PATH] if disk and not has_path else argv
 
@@ -95,14 +89,12 @@ def _with_planned_path(argv: list[str]) -> list[str]:
 def _plan(cfg, ns, **settings):
     """The plan of ``cfg`` (with flat ``settings`` changed) on tp x pp x --dp ranks."""
     cfg = cfg.updated(**settings) if settings else cfg
-    plan = plan_for_run(cfg, cfg.parallel.tp * cfg.parallel.pp * ns.dp)
-    params = getattr(ns, "offload_params", "none")  # the tool's own flag, while ParallelConfig lacks it
-    return plan_memory(replace(plan.spec, offload_params=params)) if params != "none" else plan
+    return plan_for_run(cfg, planned_world(cfg, ns.dp))
 
 
 def _tier(where: str, cfg) -> dict[str, object]:
     """Flat settings for --offload-optimizer ``where`` (a stand-in path while anything goes to disk)."""
-    disk = "disk" in (where, getattr(cfg.parallel, "offload_params", "none"))
+    disk = Placement.DISK in (Placement.from_flag_word(where), Placement.from_flag_word(cfg.parallel.offload_params))
     return {"offload_optimizer": where, "offload_path": PLANNED_PATH if disk else None}
 
 
@@ -121,8 +113,7 @@ def report(argv: list[str]) -> tuple[int, str]:
                   peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
                   intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
                   headroom=ns.headroom, host_memory_gib=ns.host_memory, disk_gib=ns.disk_space)
-    base = plan_for_run(cfg.updated(tensor_model_parallel_size=1, pipeline_model_parallel_size=1), 1).spec
-    cands = search_layouts(base, hw, cfg.training.global_batch_size, offload=ns.search_offload)
+    cands = search_layouts(with_vocabulary(cfg), hw, offload=ns.search_offload)
     if ns.json:
         return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0,
                                                  "offload_only": c.offload_only}
@@ -165,19 +156,19 @@ def _run_block(flags: list[str], with_f: bool, model: str = F_7B, var: str = "F"
 def best_layout_flags() -> str:
     """The flags of the search's fastest layout (so the docs' stage-by-stage block follows the search)."""
     cfg, ns = parse_config(shlex.split(F_7B.replace("\\\n", " ")) + shlex.split(SEARCH_7B), extra=EXTRA)
-    base = plan_for_run(cfg, 1).spec
     hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node)
-    s = search_layouts(base, hw, cfg.training.global_batch_size)[0].spec
-    return (f"--tp {s.tp} --pp {s.pp} --dp {s.dp} --zero {s.zero} --micro-batch-size {s.micro_batch_size} "
-            f"--recompute {s.recompute}{' --sequence-parallel' if s.sequence_parallel else ''}")
+    s = search_layouts(with_vocabulary(cfg), hw)[0].spec
+    r = s.run
+    return (f"--tp {r.tp} --pp {r.pp} --dp {r.dp} --zero {int(r.zero)} --micro-batch-size {r.micro_batch_size} "
+            f"--recompute {s.cfg.training.recompute}{' --sequence-parallel' if s.sequence_parallel else ''}")
 
 
 def doc_blocks() -> dict[str, dict[str, str]]:
     """File (relative to the repository) -> block name -> generated block text."""
     return {
-        "README.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"] + ZERO_ROWS_7B, with_f=True),
-                      "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70"),
-                      "offload": _run_block(OFFLOAD_7B, with_f=False)},
+        "docs/memory_planner.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"] + ZERO_ROWS_7B, with_f=True),
+                                   "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70"),
+                                   "offload": _run_block(OFFLOAD_7B, with_f=False)},
         "docs/planner_7b.md": {"7b-search": _run_block([f"{SEARCH_7B} --top 12"], with_f=True),
                                "7b-best": _run_block([best_layout_flags()], with_f=False),
                                "7b-dp": _run_block(DP_ONLY_7B + ZERO_ROWS_7B, with_f=False),

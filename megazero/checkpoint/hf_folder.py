@@ -20,6 +20,8 @@ import os
 import re
 import shutil
 
+from .storage import fsync_path
+
 STAGING_PREFIX = ".megazero-export-"
 # Weight files transformers or megazero's reader would pick up, in any layout or format.
 _WEIGHTS = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
@@ -59,19 +61,11 @@ def _alive(pid: str) -> bool:
     return True
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def commit(staging: str, out_dir: str) -> list[str]:
     """Replace ``out_dir``'s model files by ``staging``'s (see the module docstring); returns what was removed."""
     new = sorted(os.listdir(staging))
     for name in new:
-        _fsync(os.path.join(staging, name))
+        fsync_path(os.path.join(staging, name))
     entries = [n for n in new if _ENTRY.match(n)]
     assert len(entries) == 1, f"an export has one weight entry point, got {entries}"
     old = [n for n in os.listdir(out_dir) if is_model_file(n) and os.path.isfile(os.path.join(out_dir, n))]
@@ -82,6 +76,6 @@ def commit(staging: str, out_dir: str) -> list[str]:
         os.remove(os.path.join(out_dir, name))
     for name in [n for n in new if n not in entries] + entries:  # the entry point last
         os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
-    _fsync(out_dir)
+    fsync_path(out_dir)
     os.rmdir(staging)
     return [n for n in doomed if n not in new]

@@ -85,7 +85,7 @@ def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Param
     """Write this rank's master weights and moments; returns their index entry and any non-finite names."""
     names = {id(p): n for n, p in named.items()}
     tensors, ranges = {}, {}
-    transient = getattr(optimizer, "state_views_transient", False)  # disk offload reuses its buffers
+    transient = optimizer.state_views_transient  # disk offload reuses its buffers
     for param, param_lo, views in optimizer.state_segments():
         name = names[id(param)]
         n = views["exp_avg"].numel()

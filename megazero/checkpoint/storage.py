@@ -48,7 +48,8 @@ def rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.safetensors"
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder: so the renames in it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -75,20 +76,20 @@ def publish(root: str, staging: str, iteration: int, keep_last: int | None) -> s
     With ``keep_last``, rotates quietly; ``save_checkpoint`` calls ``rotate`` itself to report and protect.
     """
     final = os.path.join(root, iteration_dir(iteration))
-    _fsync_dir(staging)
+    fsync_path(staging)
     aside = None
     if os.path.exists(final):  # re-saving an iteration: the old copy stays until the new one is in place
         aside = final + ASIDE + staging.rsplit(".tmp-", 1)[1]
         os.rename(final, aside)  # a crash from here on: resolve() falls back to the aside copy
     os.rename(staging, final)
-    _fsync_dir(root)
+    fsync_path(root)
     tmp = os.path.join(root, LATEST + ".tmp")
     with open(tmp, "w") as fh:
         fh.write(iteration_dir(iteration) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    fsync_path(root)
     if aside is not None:
         shutil.rmtree(aside)
     _clean(root)

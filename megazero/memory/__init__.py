@@ -7,19 +7,19 @@
 - ``plan``: both combined per pipeline stage (``plan_memory``, ``format_plan``);
 - ``offload``: device / host / disk bytes with ``--offload-optimizer``/``--offload-params``, and an
   assumption-based cost per step;
-- ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional);
-- ``measure``: saved-tensor hooks to check the activation figures against a real forward.
+- ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional).
 """
 from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro_batches, layer_terms
 from .grads import GradBytes, bucket_numels, grad_bytes
-from .measure import SavedTensorMeter, tensor_bytes
 from .params import StateBytes, chunk_params, model_state_bytes, num_parameters
 from .offload import OffloadBytes, OffloadHardware, offload_bytes, offload_seconds
-from .plan import GIB, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_for_run, plan_memory
+from .plan import (GIB, PLANNED_PATH, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_for_run,
+                   plan_memory, planned_world, with_vocabulary)
 from .search import Candidate, Hardware, format_candidates, search_layouts, step_time
 
 __all__ = ["ActivationSpec", "Candidate", "GIB", "GradBytes", "Hardware", "MemoryPlan", "OffloadBytes",
-           "OffloadHardware", "PlanSpec", "SavedTensorMeter", "StagePlan", "StateBytes", "bucket_numels",
+           "OffloadHardware", "PLANNED_PATH", "PlanSpec", "StagePlan", "StateBytes", "bucket_numels",
            "chunk_activation_bytes", "chunk_params", "format_candidates", "format_plan", "format_rows", "grad_bytes",
            "in_flight_micro_batches", "layer_terms", "model_state_bytes", "num_parameters", "offload_bytes",
-           "offload_seconds", "plan_for_run", "plan_memory", "search_layouts", "step_time", "tensor_bytes"]
+           "offload_seconds", "plan_for_run", "plan_memory", "planned_world", "search_layouts", "step_time",
+           "with_vocabulary"]

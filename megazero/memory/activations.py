@@ -3,7 +3,7 @@
 This is Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", per layer ``s b h (34 + 5 a s / h)`` bytes in fp16)
 recalibrated to what *our* blocks save, as measured with saved-tensor hooks
-(``megazero.memory.measure``). Legend: s sequence, b micro-batch, h hidden,
+(``tests/helpers/saved_tensors.py``). Legend: s sequence, b micro-batch, h hidden,
 f MLP width, n heads, g query groups, d head dim, t TP size, e bytes per
 activation element (4 fp32, 2 bf16), r = t with sequence parallelism else 1
 (replicated regions are sequence-sharded only with SP), V_pad padded vocab.

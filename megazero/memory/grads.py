@@ -1,8 +1,8 @@
 """Gradient bytes the ZeRO optimizer holds at its high-water mark in a step.
 
-The persistent gradient storage is what ``optimizer/buffers.py`` allocates at
+The persistent gradient storage is what ``data_parallel/buffers.py`` allocates at
 build time: the full main-grad buffer under ZeRO 0/1, the 1/dp shard under
-ZeRO 2. On top of it, during a step, the optimizer holds (``optimizer/grad_sync.py``):
+ZeRO 2. On top of it, during a step, the optimizer holds (``data_parallel/engine.py``):
 
     ZeRO 2, m > 1   every bucket's full-size gradient, from the first micro-batch's
                     backward until the last one reduce-scatters it: a full-size
@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..optimizer.buffers import PAD_ALIGN
-from ..optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
+from ..data_parallel.bucketing import cut_buckets
+from ..data_parallel.engine import MAX_INFLIGHT_BUCKETS
+from ..run_plan import ZeroStage
 
 
 @dataclass(frozen=True)
@@ -39,13 +40,9 @@ class GradBytes:
 
 
 def bucket_numels(numels: list[int], bucket_size: int, num_shards: int, tied_first: bool) -> list[int]:
-    """Padded bucket sizes in backward order for parameters given in registration order.
-
-    The rule of ``optimizer.buffers.plan_buckets``: parameters in reverse order, a bucket
-    closes once it reaches ``bucket_size`` elements, a tied word embedding (``tied_first``:
-    the first registered parameter) sits alone, and each bucket is padded to a multiple of
-    ``num_shards x PAD_ALIGN``.
-    """
+    """Padded bucket sizes in backward order for parameters given in registration order
+    (``data_parallel.bucketing.cut_buckets``, the rule the buffers cut with; ``tied_first``: the first
+    registered parameter is a tied word embedding)."""
     return [n for _, n in unit_buckets(numels, [0] * len(numels), bucket_size, num_shards, tied_first)]
 
 
@@ -53,21 +50,9 @@ def unit_buckets(numels: list[int], units: list[int], bucket_size: int, num_shar
                  tied_first: bool) -> list[tuple[int, int]]:
     """(unit, padded size) of every bucket in backward order: ``bucket_numels`` with ZeRO 3's extra
     rule that a bucket never holds parameters of two units (``units``: each parameter's unit)."""
-    align = num_shards * PAD_ALIGN
-    out: list[tuple[int, int]] = []
-    pending, unit = 0, None
-    for i, (n, u) in enumerate(zip(reversed(numels), reversed(units))):
-        tied = tied_first and i == len(numels) - 1
-        if pending and (tied or u != unit):
-            out.append((unit, pending))
-            pending = 0
-        pending, unit = pending + n, u
-        if tied or pending >= bucket_size:
-            out.append((unit, pending))
-            pending = 0
-    if pending:
-        out.append((unit, pending))
-    return [(u, -(-b // align) * align) for u, b in out]
+    tied = [tied_first and i == len(numels) - 1 for i in range(len(numels))]
+    cuts = cut_buckets(numels[::-1], bucket_size, num_shards, tied=tied, units=units[::-1])
+    return [(c.unit, c.numel) for c in cuts]
 
 
 def inflight_numel(buckets: list[int]) -> int:
@@ -78,13 +63,13 @@ def inflight_numel(buckets: list[int]) -> int:
     return max(sum(buckets[i: i + k]) for i in range(len(buckets) - k + 1))
 
 
-def grad_bytes(params: int, chunk_buckets: list[list[int]], dp: int, zero: int, num_micro_batches: int,
+def grad_bytes(params: int, chunk_buckets: list[list[int]], dp: int, zero: int | ZeroStage, num_micro_batches: int,
                grad_bytes_per_param: int) -> GradBytes:
     """Gradient bytes on one rank holding ``params`` parameters in chunks bucketed as ``chunk_buckets``."""
-    g = grad_bytes_per_param
-    shard = params / dp if zero >= 1 else params
+    g, z = grad_bytes_per_param, ZeroStage(zero)
+    shard = params / dp if z.shards_optimizer_state else params
     step = 4 * shard if g != 4 else 0.0
-    if zero < 2:
+    if not z.shards_gradients:
         return GradBytes(persistent=params * g, backward=0.0, step=step)
     if num_micro_batches > 1:
         backward = params * g

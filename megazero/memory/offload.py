@@ -1,7 +1,7 @@
 """Offload in the planner: what leaves the device, where it goes, and an assumed cost per step.
 
 Bytes per rank, following the stores of ``optimizer/offload.py`` (n = this rank's shard
-elements over every bucket, each bucket padded as ``optimizer/buffers.py`` pads it:
+elements over every bucket, each bucket padded as ``data_parallel/buffers.py`` pads it:
 the dp-th of the padded bucket under ZeRO 1/2/3, the whole bucket under ZeRO 0):
 
     --offload-optimizer cpu   the fp32 master and both Adam moments, 12 n bytes, live in host
@@ -48,9 +48,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError
+from ..config import Placement
 
-OFFLOAD_CHOICES = ("none", "cpu", "disk")
 STATE_BYTES = 12  # fp32 master + exp_avg + exp_avg_sq per shard element, in every offload store
 
 
@@ -75,49 +74,40 @@ class OffloadBytes:
     params_device: float = 0.0  # ZeRO 3's parameter shards the device no longer holds
 
 
-def check_offload(zero: int, offload_optimizer: str, offload_params: str) -> None:
-    """Raise ConfigError naming the flag for a choice the planner (and the trainer) cannot take."""
-    for flag, value in (("--offload-optimizer", offload_optimizer), ("--offload-params", offload_params)):
-        if value not in OFFLOAD_CHOICES:
-            raise ConfigError(f"{flag} must be one of {', '.join(OFFLOAD_CHOICES)}, got {value!r}.")
-    if offload_params != "none" and (zero != 3 or offload_optimizer == "none"):
-        raise ConfigError(f"--offload-params {offload_params} needs --zero 3 (only ZeRO 3 keeps parameter shards "
-                          f"between uses; got {zero}) and --offload-optimizer cpu or disk (got {offload_optimizer}).")
-
-
-def offload_bytes(shards: list[int], w: int, offload_optimizer: str, offload_params: str,
+def offload_bytes(shards: list[int], w: int, optimizer: Placement, params: Placement,
                   buffers: int, buffer_size: int = 2_000_000) -> OffloadBytes:
     """Where this rank's state goes. ``shards``: shard elements of every bucket of every chunk;
-    ``w``: bytes per parameter element; ``buffers``, ``buffer_size``: the disk tier's host buffers.
+    ``w``: bytes per parameter element; ``optimizer``, ``params``: where the optimizer state and
+    the parameter shards live; ``buffers``, ``buffer_size``: the disk tier's host buffers.
     The device's optimizer state (8 or 12 bytes per element in memory) drops to 0 with either tier."""
     n = sum(shards)
     out = {}
-    if offload_optimizer == "cpu":
+    if optimizer is Placement.HOST:
         out.update(optimizer_host=STATE_BYTES * n)
-    elif offload_optimizer == "disk":
+    elif optimizer is Placement.DISK:
         width = min(buffer_size, max(shards, default=0))
         pool = buffers if len(shards) > 1 or sum(shards) > buffer_size else 1
         out.update(optimizer_host=pool * STATE_BYTES * width, optimizer_disk=STATE_BYTES * n)
-    if offload_params == "cpu":
+    if params is Placement.HOST:
         out.update(params_host=w * n, params_device=w * n)
-    elif offload_params == "disk":
+    elif params is Placement.DISK:
         out.update(params_disk=w * n, params_device=w * n)
     return OffloadBytes(**out)
 
 
 def offload_seconds(n: int, w: int, g: int, micro_batches: int, reshard_after_forward: bool,
-                    offload_optimizer: str, offload_params: str, hw: OffloadHardware = OffloadHardware()) -> float:
+                    optimizer: Placement, params: Placement, hw: OffloadHardware = OffloadHardware()) -> float:
     """Assumed seconds a step spends on offload for a rank of ``n`` shard elements (module docstring)."""
     t = 0.0
-    if offload_optimizer != "none":
-        copied = g + (0 if offload_params != "none" else w)  # grads down; params back up unless they live there
+    if optimizer.offloaded:
+        copied = g + (w if not params.offloaded else 0)  # grads down; params back up unless they live there
         t += copied * n / hw.host_device_bandwidth + n / hw.cpu_adam_rate
-    if offload_optimizer == "disk":
+    if optimizer is Placement.DISK:
         t += STATE_BYTES * n * (1 / hw.disk_read_bandwidth + 1 / hw.disk_write_bandwidth)
-    if offload_params != "none":
+    if params.offloaded:
         fetches = micro_batches * (2 if reshard_after_forward else 1)
         t += fetches * w * n / hw.host_device_bandwidth
-        if offload_params == "disk":
+        if params is Placement.DISK:
             t += fetches * w * n / hw.disk_read_bandwidth + w * n / hw.disk_write_bandwidth
     return t
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..run_plan import ZeroStage
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: 
 
 def chunk_param_units(cfg: ModelConfig, num_blocks: int, pre_process: bool, post_process: bool,
                       layers_per_unit: int) -> list[int]:
-    """The ZeRO-3 unit of each parameter of ``chunk_param_numels``, as ``optimizer.param_units.plan_units``
+    """The ZeRO-3 unit of each parameter of ``chunk_param_numels``, as ``data_parallel.zero3.plan_units``
     groups them: 0 is the chunk's root unit (embeddings, final norm, head), block i is in unit
     1 + i // layers_per_unit."""
     embedding = 1 if (pre_process or (post_process and cfg.tied_embeddings)) else 0
@@ -164,11 +165,11 @@ def bytes_per_param(precision: str, main_grads_dtype: str = "fp32") -> tuple[int
     return 2, (2 if main_grads_dtype == "bf16" else 4), 12
 
 
-def model_state_bytes(num_params: float, dp: int, zero: int, precision: str = "bf16",
+def model_state_bytes(num_params: float, dp: int, zero: int | ZeroStage, precision: str = "bf16",
                       main_grads_dtype: str = "fp32") -> StateBytes:
     """Bytes of params, grads and optimizer state for ``num_params`` parameters on one rank."""
-    assert zero in (0, 1, 2, 3), zero
+    z = ZeroStage(zero)
     w, g, k = bytes_per_param(precision, main_grads_dtype)
-    return StateBytes(params=num_params * w / (dp if zero >= 3 else 1),
-                      grads=num_params * g / (dp if zero >= 2 else 1),
-                      optimizer=num_params * k / (dp if zero >= 1 else 1))
+    return StateBytes(params=num_params * w / (dp if z.shards_parameters else 1),
+                      grads=num_params * g / (dp if z.shards_gradients else 1),
+                      optimizer=num_params * k / (dp if z.shards_optimizer_state else 1))

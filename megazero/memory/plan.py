@@ -14,87 +14,94 @@ leave the device: each stage also reports the host and disk bytes per rank.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-from ..config import Config, ConfigError, ModelConfig
-from ..parallel.layout import Layout
-from ..run_plan import DTYPE_NAMES, Placement, RunPlan, UnitGathering
+from ..config import Config, ConfigError, ModelConfig, Placement
+from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering
 from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
                           recompute_working_bytes)
 from .grads import grad_bytes, unit_buckets
-from .offload import OffloadHardware, check_offload, describe, offload_bytes, offload_seconds
+from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
                      num_parameters)
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
-_OFFLOAD_NAMES = {Placement.DEVICE: "none", Placement.HOST: "cpu", Placement.DISK: "disk"}  # the flags' words
+PLANNED_PATH = "(planned)"  # stands in for --offload-path in a planned disk tier: the planner opens no file
 
 
 @dataclass(frozen=True)
 class PlanSpec:
-    """A model and a parallel layout: everything the memory figures depend on."""
+    """What the planner sizes: a ``RunPlan`` (for a layout a run would launch, or one it only considers)
+    and the ``Config`` it was resolved from, which alone says the model, the recompute mode and the
+    bucket size; ``device`` ("cuda" or "cpu") picks the attention kernel the activations follow."""
 
-    model: ModelConfig
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    zero: int = 0
-    micro_batch_size: int = 1
-    num_micro_batches: int = 1
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    recompute_num_layers: int | None = None
-    schedule: str = "1f1b"
-    vp: int = 1
-    precision: str = "bf16"
-    main_grads_dtype: str = "fp32"
-    bucket_size: int = 10_000_000
+    cfg: Config
+    run: RunPlan
     device: str = "cuda"
-    layers_per_unit: int = 1  # ZeRO 3: blocks per gathered unit (the root unit is one more per chunk)
-    prefetch: int = 1  # ZeRO 3: units gathered ahead of the one computing
-    reshard_after_forward: bool = True  # ZeRO 3: False keeps every unit gathered from forward to backward
-    offload_optimizer: str = "none"  # none | cpu | disk: where the fp32 master and Adam moments live
-    offload_params: str = "none"  # none | cpu | disk: where ZeRO 3's parameter shards live between uses
-    offload_buffers: int = 2  # offload to disk: host buffers (one piece of state each) the step streams through
-    offload_buffer_size: int = 2_000_000  # offload to disk: shard elements per host buffer
 
     @classmethod
     def from_plan(cls, cfg: Config, plan: RunPlan, device: str = "cuda") -> "PlanSpec":
-        """The spec of a training run: its resolved plan, plus the model and the run-time choices of ``cfg``."""
+        """The spec of ``plan``, resolved from ``cfg``; the vocabulary must be known."""
         if plan.vocab_size is None:
             raise ConfigError("the memory plan needs the vocabulary: pass --vocab-size (or --tokenizer-model).")
-        t, gathering, where = cfg.training, plan.gathering or UnitGathering(), plan.placement
-        params = _OFFLOAD_NAMES[where.parameters] if where.parameters != Placement.DEVICE else \
-            getattr(cfg.parallel, "offload_params", "none")  # the flag may be newer than this planner
-        return cls(model=cfg.model, tp=plan.tp, pp=plan.pp, dp=plan.dp, zero=int(plan.zero),
-                   micro_batch_size=plan.micro_batch_size, num_micro_batches=plan.micro_batches,
-                   sequence_parallel=plan.sequence_parallel and plan.tp > 1, recompute=t.recompute,
-                   recompute_num_layers=t.recompute_num_layers,
-                   schedule=plan.schedule if plan.pp > 1 else "1f1b",  # pp = 1 holds one micro-batch either way
-                   vp=plan.virtual_stages, precision=DTYPE_NAMES[plan.compute_dtype],
-                   main_grads_dtype=DTYPE_NAMES[plan.main_grads_dtype], bucket_size=cfg.parallel.bucket_size,
-                   device=device, layers_per_unit=gathering.layers_per_unit, prefetch=gathering.prefetch,
-                   reshard_after_forward=gathering.reshard_after_forward,
-                   offload_optimizer=_OFFLOAD_NAMES[where.optimizer_state], offload_params=params,
-                   offload_buffers=where.offload_buffers, offload_buffer_size=where.offload_buffer_size)
+        return cls(cfg, plan, device)
+
+    @classmethod
+    def for_world(cls, cfg: Config, world_size: int, device: str = "cuda", **settings: Any) -> "PlanSpec":
+        """``cfg`` with the flat ``settings`` applied, resolved on ``world_size`` ranks (dp = world / (tp x pp))."""
+        cfg = cfg.updated(**settings) if settings else cfg
+        return cls.from_plan(cfg, RunPlan.resolve(cfg, world_size), device)
+
+    def updated(self, **settings: Any) -> "PlanSpec":
+        """The same world with flat config ``settings`` changed (an offload placement, a ZeRO stage ...)."""
+        return PlanSpec.for_world(self.cfg, self.run.world_size, self.device, **settings)
 
     @property
-    def offloaded(self) -> bool:
-        return self.offload_optimizer != "none" or self.offload_params != "none"
+    def model(self) -> ModelConfig:
+        return self.cfg.model
 
     @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+    def sequence_parallel(self) -> bool:
+        """Sequence parallelism in effect (the flag changes nothing at tp = 1)."""
+        return self.run.sequence_parallel and self.run.tp > 1
+
+    @property
+    def schedule(self) -> str:
+        """The schedule's name in the tables: pp = 1 holds one micro-batch under any, shown as 1f1b."""
+        return self.run.schedule if self.run.pp > 1 else "1f1b"
 
     @property
     def gathering(self) -> UnitGathering:
-        return UnitGathering(layers_per_unit=self.layers_per_unit, prefetch=self.prefetch,
-                             reshard_after_forward=self.reshard_after_forward)
+        """ZeRO 3's unit gathering (the defaults for the other stages, which gather nothing)."""
+        return self.run.gathering or UnitGathering()
+
+    @property
+    def offloaded(self) -> bool:
+        return self.run.placement.optimizer_state.offloaded or self.run.placement.parameters.offloaded
+
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """(w, g, K) of ``params.bytes_per_param`` for the plan's dtypes."""
+        return bytes_per_param(DTYPE_NAMES[self.run.compute_dtype], DTYPE_NAMES[self.run.main_grads_dtype])
 
     def activation_spec(self) -> ActivationSpec:
-        return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.micro_batch_size, tp=self.tp,
-                              sequence_parallel=self.sequence_parallel, recompute=self.recompute,
-                              dtype_bytes=4 if self.precision == "fp32" else 2, device=self.device)
+        t = self.cfg.training
+        return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.run.micro_batch_size,
+                              tp=self.run.tp, sequence_parallel=self.sequence_parallel, recompute=t.recompute,
+                              dtype_bytes=self.run.compute_dtype.itemsize, device=self.device)
+
+    def layout_dict(self) -> dict[str, Any]:
+        """The plan's layout and choices as the planner's JSON records them."""
+        r, t, g, where = self.run, self.cfg.training, self.gathering, self.run.placement
+        return {"tp": r.tp, "pp": r.pp, "dp": r.dp, "zero": int(r.zero), "micro_batch_size": r.micro_batch_size,
+                "num_micro_batches": r.micro_batches, "sequence_parallel": self.sequence_parallel,
+                "recompute": t.recompute, "recompute_num_layers": t.recompute_num_layers,
+                "schedule": self.schedule, "vp": r.virtual_stages, "precision": DTYPE_NAMES[r.compute_dtype],
+                "main_grads_dtype": DTYPE_NAMES[r.main_grads_dtype], "bucket_size": self.cfg.parallel.bucket_size,
+                "device": self.device, "layers_per_unit": g.layers_per_unit, "prefetch": g.prefetch,
+                "reshard_after_forward": g.reshard_after_forward,
+                "offload_optimizer": where.optimizer_state.flag_word, "offload_params": where.parameters.flag_word,
+                "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size}
 
 
 @dataclass
@@ -149,42 +156,41 @@ class MemoryPlan:
 
     def offload_seconds(self, hw: OffloadHardware = OffloadHardware()) -> float:
         """Assumed seconds per step the slowest stage spends on offload (``offload.py``; 0 without)."""
-        s = self.spec
-        w, g, _ = bytes_per_param(s.precision, s.main_grads_dtype)
-        return max(offload_seconds(st.shard_elements, w, g, s.num_micro_batches, s.reshard_after_forward,
-                                   s.offload_optimizer, s.offload_params, hw) for st in self.stages)
+        s, where = self.spec, self.spec.run.placement
+        w, g, _ = s.bytes_per_param()
+        return max(offload_seconds(st.shard_elements, w, g, s.run.micro_batches, s.gathering.reshard_after_forward,
+                                   where.optimizer_state, where.parameters, hw) for st in self.stages)
 
     def to_dict(self) -> dict:
         """One JSON object: the peak stage's figures at the top level, every stage under ``stages``."""
-        spec = {k: v for k, v in asdict(self.spec).items() if k != "model"}
         top = self.peak
         stages = [{**asdict(s), "total_bytes": s.total_bytes, "host_bytes": s.host_bytes,
                    "disk_bytes": s.disk_bytes} for s in self.stages]
         return {"num_parameters": self.num_parameters, **{k: v for k, v in stages[top.stage].items()},
                 "offload_seconds_assumed": self.offload_seconds(),
-                "layout": spec, "model": asdict(self.spec.model), "stages": stages}
+                "layout": self.spec.layout_dict(), "model": asdict(self.spec.model), "stages": stages}
 
 
 def _stage(spec: PlanSpec, stage: int) -> StagePlan:
-    cfg, a = spec.model, spec.activation_spec()
-    blocks = cfg.num_layers // (spec.pp * spec.vp)
-    first, last = stage == 0, stage == spec.pp - 1
-    chunks = [(c == 0 and first, c == spec.vp - 1 and last) for c in range(spec.vp)]
-    params = sum(chunk_params(cfg, spec.tp, blocks, pre, post) for pre, post in chunks)
-    in_flight = in_flight_micro_batches(spec.schedule, spec.pp, stage, spec.num_micro_batches, spec.vp)
+    cfg, a, run, where = spec.model, spec.activation_spec(), spec.run, spec.run.placement
+    blocks = cfg.num_layers // (run.pp * run.virtual_stages)
+    first, last = stage == 0, stage == run.pp - 1
+    chunks = [(c == 0 and first, c == run.virtual_stages - 1 and last) for c in range(run.virtual_stages)]
+    params = sum(chunk_params(cfg, run.tp, blocks, pre, post) for pre, post in chunks)
+    in_flight = in_flight_micro_batches(spec.schedule, run.pp, stage, run.micro_batches, run.virtual_stages)
     state = _model_state(spec, params, blocks, chunks, in_flight)
-    w, _, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    w, _, _ = spec.bytes_per_param()
     shards = _state_shards(spec, blocks, chunks)
-    off = offload_bytes(shards, w, spec.offload_optimizer, spec.offload_params, spec.offload_buffers,
-                        spec.offload_buffer_size)
-    optimizer = 0.0 if spec.offload_optimizer != "none" else state.optimizer  # on the device
-    per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.recompute_num_layers)
-    with_extras = -(-in_flight // spec.vp)  # chunk-forwards of the chunk holding the embedding or the head
+    off = offload_bytes(shards, w, where.optimizer_state, where.parameters, where.offload_buffers,
+                        where.offload_buffer_size)
+    optimizer = 0.0 if where.optimizer_state.offloaded else state.optimizer  # on the device
+    per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.cfg.training.recompute_num_layers)
+    with_extras = -(-in_flight // run.virtual_stages)  # chunk-forwards of the chunk holding the embedding or head
     activations = in_flight * per_chunk_forward
     for pre, post in chunks:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
-    logits = a.seq_length * a.micro_batch_size * cfg.padded_vocab_size(spec.tp) // spec.tp * (a.dtype_bytes + 4)
+    logits = a.seq_length * a.micro_batch_size * run.padded_vocab_size // run.tp * (a.dtype_bytes + 4)
     transient = max(recompute_working_bytes(cfg, a), logits if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight,
@@ -199,15 +205,18 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
 def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool]],
                  in_flight: int) -> PeakState:
     """Params, grads and optimizer bytes at the step's high-water mark, and the persistent state."""
-    w, g, k = bytes_per_param(spec.precision, spec.main_grads_dtype)
-    if spec.zero == 3:
+    run = spec.run
+    w, g, k = spec.bytes_per_param()
+    if run.zero.shards_parameters:
         # parameters on disk: a prefetch only starts the read; the unit is gathered when it is needed
-        gathering = replace(spec.gathering, prefetch=0) if spec.offload_params == "disk" else spec.gathering
-        return zero3_bytes(_chunk_buckets(spec, blocks, chunks), spec.dp, w, g, k, gathering,
+        on_disk = run.placement.parameters is Placement.DISK
+        gathering = replace(spec.gathering, prefetch=0) if on_disk else spec.gathering
+        return zero3_bytes(_chunk_buckets(spec, blocks, chunks), run.dp, w, g, k, gathering,
                            pinned=in_flight > 1)
-    state = model_state_bytes(params, spec.dp, spec.zero, spec.precision, spec.main_grads_dtype)
-    grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], spec.dp,
-                       spec.zero, spec.num_micro_batches, g)
+    precision, main_grads = DTYPE_NAMES[run.compute_dtype], DTYPE_NAMES[run.main_grads_dtype]
+    state = model_state_bytes(params, run.dp, run.zero, precision, main_grads)
+    grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], run.dp,
+                       run.zero, run.micro_batches, g)
     return PeakState(params=state.params, grads=grads.peak, optimizer=state.optimizer,
                      persistent=state.params + grads.persistent + state.optimizer, params_peak=state.params)
 
@@ -215,53 +224,54 @@ def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bo
 def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of each chunk's buckets on this stage in the order their gradients arrive
     (ZeRO 3's units cut them; ZeRO 2 needs them only with one micro-batch, ZeRO 0/1 never)."""
-    if spec.zero < 2 or (spec.zero == 2 and spec.num_micro_batches > 1):
+    zero = spec.run.zero
+    if not zero.shards_gradients or (not zero.shards_parameters and spec.run.micro_batches > 1):
         return []
     return _bucket_layout(spec, blocks, chunks)
 
 
 def _bucket_layout(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of every bucket of each chunk on this stage, in backward order."""
-    cfg, tied = spec.model, spec.pp > 1 and spec.model.tied_embeddings
-    num_shards = spec.dp if spec.zero >= 1 else 1
+    cfg, run = spec.model, spec.run
+    tied = run.pp > 1 and cfg.tied_embeddings
     out = []
     for pre, post in chunks:
-        numels = chunk_param_numels(cfg, spec.tp, blocks, pre, post)
-        units = chunk_param_units(cfg, blocks, pre, post, spec.layers_per_unit) if spec.zero == 3 \
-            else [0] * len(numels)
-        buckets = unit_buckets(numels, units, spec.bucket_size, num_shards, tied and (pre or post))
+        numels = chunk_param_numels(cfg, run.tp, blocks, pre, post)
+        units = chunk_param_units(cfg, blocks, pre, post, spec.gathering.layers_per_unit) \
+            if run.zero.shards_parameters else [0] * len(numels)
+        buckets = unit_buckets(numels, units, spec.cfg.parallel.bucket_size, _num_shards(run), tied and (pre or post))
         if tied and post and not pre:  # the last stage's embedding copy is the head: its gradient comes first
             buckets = buckets[-1:] + buckets[:-1]
         out.append(buckets)
     return out
 
 
+def _num_shards(run: RunPlan) -> int:
+    """Ranks a bucket's optimizer state is split over (its padding follows): dp once ZeRO shards it."""
+    return run.dp if run.zero.shards_optimizer_state else 1
+
+
 def _state_shards(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[int]:
     """Shard elements of every bucket this rank's optimizer holds (the whole padded bucket under ZeRO 0)."""
-    num_shards = spec.dp if spec.zero >= 1 else 1
-    return [n // num_shards for c in _bucket_layout(spec, blocks, chunks) for _, n in c]
+    return [n // _num_shards(spec.run) for c in _bucket_layout(spec, blocks, chunks) for _, n in c]
 
 
 def plan_memory(spec: PlanSpec) -> MemoryPlan:
-    """Memory per rank of every pipeline stage of ``spec``."""
-    cfg = spec.model
-    check_offload(spec.zero, spec.offload_optimizer, spec.offload_params)
-    if cfg.num_layers % (spec.pp * spec.vp) != 0:
-        raise ConfigError(f"--num-layers ({cfg.num_layers}) must be divisible by --pp ({spec.pp}) x "
-                          f"virtual stages ({spec.vp}); change one of them.")
-    return MemoryPlan(spec=spec, num_parameters=num_parameters(cfg, spec.tp),
-                      stages=[_stage(spec, r) for r in range(spec.pp)])
+    """Memory per rank of every pipeline stage of ``spec`` (already validated: ``RunPlan.resolve``)."""
+    return MemoryPlan(spec=spec, num_parameters=num_parameters(spec.model, spec.run.tp),
+                      stages=[_stage(spec, r) for r in range(spec.run.pp)])
 
 
 def format_plan(plan: MemoryPlan) -> str:
     """A human table: one row per pipeline stage, GiB per rank, the peak stage marked."""
-    s = plan.spec
-    lines = [f"model: {s.model.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {s.model.num_layers} layers, "
-             f"hidden {s.model.hidden_size}, seq {s.model.seq_length}",
-             f"layout: tp={s.tp} pp={s.pp} dp={s.dp} (world {s.world_size}), zero {s.zero}{_zero3_knobs(s)}, "
-             f"{s.precision}, "
-             f"micro-batch {s.micro_batch_size} x {s.num_micro_batches}, schedule {s.schedule}"
-             f"{f' vp={s.vp}' if s.vp > 1 else ''}, recompute {s.recompute}, sp {s.sequence_parallel}",
+    s, r, m = plan.spec, plan.spec.run, plan.spec.model
+    lines = [f"model: {m.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {m.num_layers} layers, "
+             f"hidden {m.hidden_size}, seq {m.seq_length}",
+             f"layout: tp={r.tp} pp={r.pp} dp={r.dp} (world {r.world_size}), zero {int(r.zero)}{_zero3_knobs(s)}, "
+             f"{DTYPE_NAMES[r.compute_dtype]}, "
+             f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
+             f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
+             f"sp {s.sequence_parallel}",
              *_offload_lines(plan),
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
@@ -271,20 +281,21 @@ def format_plan(plan: MemoryPlan) -> str:
         lines.append(f"{st.stage:>5} {st.params_bytes / GIB:8.2f} {st.grads_bytes / GIB:8.2f} "
                      f"{st.optimizer_bytes / GIB:8.2f} {st.activations_bytes / GIB:8.2f} {st.in_flight:>9} "
                      f"{st.transient_bytes / GIB:9.2f} {st.total_bytes / GIB:8.2f}"
-                     f"{'  <- peak' if st.stage == peak and s.pp > 1 else ''}")
+                     f"{'  <- peak' if st.stage == peak and r.pp > 1 else ''}")
     return "\n".join(lines)
 
 
 def _offload_lines(plan: MemoryPlan) -> list[str]:
     """Where the offloaded state goes (peak stage, GiB per rank) and the assumed cost, when there is any."""
-    s, st = plan.spec, plan.peak
+    s, st, where = plan.spec, plan.peak, plan.spec.run.placement
     if not s.offloaded:
         return []
-    buffers = (f" (disk tier: {s.offload_buffers} buffers of {s.offload_buffer_size:,} elements)"
-               if "disk" in (s.offload_optimizer, s.offload_params) else "")
-    return [f"offload: optimizer {s.offload_optimizer}, params {s.offload_params}{buffers}; off the device, per rank: "
-            f"host {st.host_bytes / GIB:.2f} GiB (optimizer {st.optimizer_host_bytes / GIB:.2f}, params "
-            f"{st.params_host_bytes / GIB:.2f}), disk {st.disk_bytes / GIB:.2f} GiB",
+    buffers = (f" (disk tier: {where.offload_buffers} buffers of {where.offload_buffer_size:,} elements)"
+               if Placement.DISK in (where.optimizer_state, where.parameters) else "")
+    return [f"offload: optimizer {where.optimizer_state.flag_word}, params {where.parameters.flag_word}{buffers}; "
+            f"off the device, per rank: host {st.host_bytes / GIB:.2f} GiB (optimizer "
+            f"{st.optimizer_host_bytes / GIB:.2f}, params {st.params_host_bytes / GIB:.2f}), "
+            f"disk {st.disk_bytes / GIB:.2f} GiB",
             f"offload cost per step: {plan.offload_seconds():.2f} s ({describe()})"]
 
 
@@ -297,12 +308,12 @@ def format_rows(plans: list[MemoryPlan]) -> str:
              f"{'+step':>7} {'state':>7} {'activ':>7} {'peak':>7}"
              + (f" {'offload':>14} {'host':>7} {'disk':>7} {'offl s*':>7}" if offload else "")]
     for plan in plans:
-        s, st = plan.spec, plan.peak
-        lines.append(f"{s.tp:>3} {s.pp:>3} {s.dp:>4} {s.zero:>4} {s.micro_batch_size:>4} {s.num_micro_batches:>4} "
-                     f"{s.recompute:>9} {st.persistent_bytes / GIB:7.2f} {st.in_step_bytes / GIB:7.2f} "
-                     f"{st.model_state_bytes / GIB:7.2f} {st.activations_bytes / GIB:7.2f} "
-                     f"{st.total_bytes / GIB:7.2f}"
-                     + (f" {offload_label(s):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
+        r, st = plan.spec.run, plan.peak
+        lines.append(f"{r.tp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} {r.micro_batches:>4} "
+                     f"{plan.spec.cfg.training.recompute:>9} {st.persistent_bytes / GIB:7.2f} "
+                     f"{st.in_step_bytes / GIB:7.2f} {st.model_state_bytes / GIB:7.2f} "
+                     f"{st.activations_bytes / GIB:7.2f} {st.total_bytes / GIB:7.2f}"
+                     + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")
@@ -311,23 +322,40 @@ def format_rows(plans: list[MemoryPlan]) -> str:
 
 def offload_label(s: PlanSpec) -> str:
     """'opt:cpu', 'opt:disk+p:cpu', ... or '-' (what a table's offload column shows)."""
-    parts = [f"{name}:{v}" for name, v in (("opt", s.offload_optimizer), ("p", s.offload_params)) if v != "none"]
+    where = s.run.placement
+    parts = [f"{name}:{p.flag_word}" for name, p in (("opt", where.optimizer_state), ("p", where.parameters))
+             if p.offloaded]
     return "+".join(parts) or "-"
 
 
 def _zero3_knobs(s: PlanSpec) -> str:
-    if s.zero != 3:
+    if not s.run.zero.shards_parameters:
         return ""
-    return (f" (units of {s.layers_per_unit} block{'s' if s.layers_per_unit > 1 else ''}, prefetch {s.prefetch}, "
-            f"{'reshard' if s.reshard_after_forward else 'keep'} after forward)")
+    g = s.gathering
+    return (f" (units of {g.layers_per_unit} block{'s' if g.layers_per_unit > 1 else ''}, prefetch {g.prefetch}, "
+            f"{'reshard' if g.reshard_after_forward else 'keep'} after forward)")
 
 
-def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
-    """The plan of a training run on ``world_size`` ranks (dp derived as the trainer derives it)."""
+def planned_device(cfg: Config) -> str:
+    """The device kind a plan assumes: cpu only when the run is on the CPU."""
+    return "cpu" if cfg.training.device == "cpu" else "cuda"
+
+
+def with_vocabulary(cfg: Config) -> Config:
+    """``cfg`` with the vocabulary of its --tokenizer-model when --vocab-size is not given."""
     if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
         from ..data.tokenizer import load_tokenizer
 
-        cfg = cfg.updated(vocab_size=load_tokenizer(cfg.data.tokenizer_model).vocab_size)
-    run_plan = RunPlan.resolve(cfg, Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp))
-    device = "cpu" if cfg.training.device == "cpu" else "cuda"
-    return plan_memory(PlanSpec.from_plan(cfg, run_plan, device))
+        return cfg.updated(vocab_size=load_tokenizer(cfg.data.tokenizer_model).vocab_size)
+    return cfg
+
+
+def planned_world(cfg: Config, dp: int) -> int:
+    """Ranks of ``cfg``'s tp x pp with ``dp`` data-parallel ranks: a world the planner only considers."""
+    return cfg.parallel.tp * cfg.parallel.pp * dp
+
+
+def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
+    """The plan of a training run on ``world_size`` ranks (the trainer's ``RunPlan.resolve``)."""
+    cfg = with_vocabulary(cfg)
+    return plan_memory(PlanSpec.for_world(cfg, world_size, planned_device(cfg)))

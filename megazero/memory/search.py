@@ -32,17 +32,19 @@ NVMe drive per GPU, with the bandwidths of ``OffloadHardware``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from ..config import ModelConfig
+from ..config import Config, ModelConfig, Placement
 from ..model.flops import flops_per_token
-from .params import bytes_per_param
+from ..run_plan import ZeroStage
 from .offload import OffloadHardware, describe
-from .plan import GIB, MemoryPlan, PlanSpec, offload_label, plan_memory
+from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
 
-# (optimizer, params) placements a layout is retried with when it does not fit on the device
-OFFLOAD_VARIANTS = {False: (("cpu", "none"), ("disk", "none")),
-                    True: (("cpu", "none"), ("disk", "none"), ("cpu", "cpu"), ("disk", "cpu"), ("disk", "disk"))}
+DEVICE, HOST, DISK = Placement.DEVICE, Placement.HOST, Placement.DISK
+# (optimizer, params) placements a layout is retried with when it does not fit on the device; the
+# parameter shards move only under ZeRO 3 (keyed by ``ZeroStage.shards_parameters``)
+OFFLOAD_VARIANTS = {False: ((HOST, DEVICE), (DISK, DEVICE)),
+                    True: ((HOST, DEVICE), (DISK, DEVICE), (HOST, HOST), (DISK, HOST), (DISK, DISK))}
 
 
 @dataclass(frozen=True)
@@ -72,26 +74,26 @@ class Hardware:
 
 def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     """Estimated seconds per optimizer step (see the module docstring)."""
-    cfg, a = spec.model, spec.activation_spec()
-    flops = flops_per_token(cfg, spec.recompute, spec.recompute_num_layers, cfg.padded_vocab_size(spec.tp))
-    tokens_mb = spec.micro_batch_size * cfg.seq_length
-    compute = flops * tokens_mb / (spec.pp * spec.tp) / (hw.peak_flops * hw.efficiency)
+    cfg, a, run, t = spec.model, spec.activation_spec(), spec.run, spec.cfg.training
+    flops = flops_per_token(cfg, t.recompute, t.recompute_num_layers, run.padded_vocab_size)
+    tokens_mb = run.micro_batch_size * cfg.seq_length
+    compute = flops * tokens_mb / (run.pp * run.tp) / (hw.peak_flops * hw.efficiency)
     act = tokens_mb * cfg.hidden_size * a.dtype_bytes
-    layers = cfg.num_layers // spec.pp
+    layers = cfg.num_layers // run.pp
     tp_comm = 0.0
-    if spec.tp > 1:
-        per = 2 * (spec.tp - 1) / spec.tp * act / hw.intra_node_bandwidth
-        tp_comm = layers * (6 if spec.recompute == "full" else 4) * per
-    pp_comm = 2 * act / a.shard / hw.inter_node_bandwidth if spec.pp > 1 else 0.0
+    if run.tp > 1:
+        per = 2 * (run.tp - 1) / run.tp * act / hw.intra_node_bandwidth
+        tp_comm = layers * (6 if t.recompute == "full" else 4) * per
+    pp_comm = 2 * act / a.shard / hw.inter_node_bandwidth if run.pp > 1 else 0.0
     t_mb = compute + tp_comm + pp_comm
-    pipeline = t_mb * (spec.num_micro_batches + (spec.pp - 1) / spec.vp)
-    w, g, _ = bytes_per_param(spec.precision, spec.main_grads_dtype)
+    pipeline = t_mb * (run.micro_batches + (run.pp - 1) / run.virtual_stages)
+    w, g, _ = spec.bytes_per_param()
     params = max(s.params_on_rank for s in plan.stages)
-    bw = hw.intra_node_bandwidth if spec.tp * spec.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
-    frac = (spec.dp - 1) / spec.dp
-    dp_bytes = 2 * frac * params * g if spec.zero == 0 else frac * params * (g + w)
-    if spec.zero == 3:
-        dp_bytes = spec.num_micro_batches * frac * params * (g + w * (2 if spec.reshard_after_forward else 1))
+    bw = hw.intra_node_bandwidth if run.tp * run.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
+    frac = (run.dp - 1) / run.dp
+    dp_bytes = 2 * frac * params * g if not run.zero.shards_optimizer_state else frac * params * (g + w)
+    if run.zero.shards_parameters:
+        dp_bytes = run.micro_batches * frac * params * (g + w * (2 if spec.gathering.reshard_after_forward else 1))
     return pipeline + dp_bytes / bw + plan.offload_seconds(hw.offload)
 
 
@@ -115,46 +117,58 @@ def _tp_ok(cfg: ModelConfig, tp: int) -> bool:
     return all(v % tp == 0 for v in (cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size, cfg.hidden_size))
 
 
-def search_layouts(base: PlanSpec, hw: Hardware, global_batch_size: int,
-                   micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
+def search_layouts(cfg: Config, hw: Hardware, micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
                    recomputes: tuple[str, ...] = ("none", "selective", "full"),
                    offload: bool = False) -> list[Candidate]:
-    """Every layout of ``hw.gpus`` that fits, fastest first (tp inside a node, 1F1B when pp > 1);
-    with ``offload``, also those that fit only with offload (the fastest such placement each)."""
-    cfg, found = base.model, []
-    for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(cfg, d) and hw.gpus % d == 0):
-        for pp in (d for d in _divisors(cfg.num_layers) if hw.gpus % (tp * d) == 0):
+    """Every layout of ``hw.gpus`` that fits ``cfg``'s model and global batch, fastest first (tp inside a
+    node, 1F1B when pp > 1; each a ``RunPlan`` resolved for that layout); with ``offload``, also those
+    that fit only with offload (the fastest such placement each)."""
+    model, found, device = cfg.model, [], planned_device(cfg)
+    global_batch_size = cfg.training.global_batch_size
+    for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(model, d) and hw.gpus % d == 0):
+        for pp in (d for d in _divisors(model.num_layers) if hw.gpus % (tp * d) == 0):
             dp = hw.gpus // (tp * pp)
             for mbs in micro_batch_sizes:
                 if global_batch_size % (mbs * dp) != 0:
                     continue
-                m = global_batch_size // (mbs * dp)
-                if pp > 1 and m < pp:
+                if pp > 1 and global_batch_size // (mbs * dp) < pp:
                     continue  # 1F1B with fewer micro-batches than stages is all bubble
-                for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                for zero in (tuple(ZeroStage) if dp > 1 else (ZeroStage.NONE,)):
                     for rc in recomputes:
-                        spec = replace(base, tp=tp, pp=pp, dp=dp, zero=zero, micro_batch_size=mbs,
-                                       num_micro_batches=m, sequence_parallel=tp > 1, recompute=rc,
-                                       recompute_num_layers=None, schedule="1f1b", vp=1)
-                        found += _fitting(spec, hw, offload)
+                        layout = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             zero=int(zero), micro_batch_size=mbs, sequence_parallel=tp > 1,
+                                             recompute=rc, recompute_num_layers=None, pipeline_schedule=None,
+                                             virtual_pipeline_size=None, num_layers_per_virtual_pipeline_stage=None,
+                                             offload_optimizer=DEVICE.flag_word, offload_params=DEVICE.flag_word,
+                                             offload_path=None)  # offload: only a layout that needs it
+                        found += _fitting(PlanSpec.for_world(layout, hw.gpus, device), hw, offload)
     return sorted(found, key=lambda c: (c.step_seconds, c.peak_bytes))
 
 
 def _fitting(spec: PlanSpec, hw: Hardware, offload: bool) -> list[Candidate]:
     """``spec`` as it is if it fits; else, with ``offload``, its fastest offload placement that fits."""
-    spec = replace(spec, offload_optimizer="none", offload_params="none")
+    spec = _placed(spec, DEVICE, DEVICE)
     plan = plan_memory(spec)
     if hw.fits(plan):
         return [Candidate(spec, plan, step_time(spec, plan, hw))]
     if not offload:
         return []
     options = []
-    for opt, params in OFFLOAD_VARIANTS[spec.zero == 3]:
-        variant = replace(spec, offload_optimizer=opt, offload_params=params)
+    for opt, params in OFFLOAD_VARIANTS[spec.run.zero.shards_parameters]:
+        variant = _placed(spec, opt, params)
         plan = plan_memory(variant)
         if hw.fits(plan):
             options.append(Candidate(variant, plan, step_time(variant, plan, hw), offload_only=True))
     return [min(options, key=lambda c: (c.step_seconds, c.peak_bytes))] if options else []
+
+
+def _placed(spec: PlanSpec, optimizer: Placement, params: Placement) -> PlanSpec:
+    """``spec`` with the optimizer state and parameter shards placed so (a disk tier needs no real path)."""
+    where = spec.run.placement
+    if (where.optimizer_state, where.parameters) == (optimizer, params):
+        return spec
+    path = PLANNED_PATH if DISK in (optimizer, params) else None
+    return spec.updated(offload_optimizer=optimizer.flag_word, offload_params=params.flag_word, offload_path=path)
 
 
 def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> str:
@@ -163,17 +177,17 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> st
         return (f"no layout fits {hw.gpus} x {hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB "
                 f"per GPU); add GPUs, shorten --seq-length or lower --global-batch-size.")
     offload = any(c.offload_only for c in cands[:top])  # columns of the offload placement, when one is listed
-    tokens = cands[0].spec.model.seq_length * cands[0].spec.micro_batch_size * \
-        cands[0].spec.num_micro_batches * cands[0].spec.dp
+    best = cands[0].spec.run
+    tokens = cands[0].spec.model.seq_length * best.micro_batch_size * best.micro_batches * best.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
              f"  {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
              f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"
              + (f" {'offload':>14} {'host':>6} {'disk':>6} {'offl s':>6}" if offload else "")]
     for i, c in enumerate(cands[:top]):
-        s, st = c.spec, c.plan.peak
-        lines.append(f"{'*' if i == 0 else ' '} {s.tp:>3} {s.pp:>3} {s.dp:>4} {s.zero:>4} {s.micro_batch_size:>4} "
-                     f"{s.num_micro_batches:>4} {s.recompute:>9} {st.model_state_bytes / GIB:7.1f} "
+        r, st = c.spec.run, c.plan.peak
+        lines.append(f"{'*' if i == 0 else ' '} {r.tp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} "
+                     f"{r.micro_batches:>4} {c.spec.cfg.training.recompute:>9} {st.model_state_bytes / GIB:7.1f} "
                      f"{st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} {c.step_seconds:7.2f} "
                      f"{tokens / c.step_seconds / hw.gpus:9.0f}" + (_offload_cells(c, hw) if offload else ""))
     if offload:

@@ -1,13 +1,13 @@
 """ZeRO 3's model state at its high-water mark in a step, replayed unit by unit.
 
-Persistent, per rank (``optimizer/buffers.py``): the parameter shard and the
+Persistent, per rank (``data_parallel/buffers.py``): the parameter shard and the
 gradient shard, each 1/dp of the chunk's *padded* buckets (ZeRO 3 closes a
 bucket at every unit boundary, so there are more buckets, each padded to
 dp x 16 elements), and the optimizer state on the same shard (K = 8 bytes per
 element in fp32, where the parameter shard is the master; 12 otherwise): the
 ZeRO paper's (w + g + K) / dp, 16 / dp with bf16 main grads.
 
-Transient, what ``optimizer/param_units.py`` and ``grad_sync.py`` hold at a moment:
+Transient, what ``data_parallel/zero3.py`` and ``data_parallel/engine.py`` hold at a moment:
 
     gathered units  the full-size buckets of the units gathered (w bytes per element):
                     the chunk's root unit (embeddings, final norm, head) from its forward
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
+from ..data_parallel.engine import MAX_INFLIGHT_BUCKETS
 from ..run_plan import UnitGathering
 
 Buckets = list[tuple[int, int]]  # (unit, padded elements) in backward order; unit 0 is the root

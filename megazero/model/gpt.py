@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
+from ..tensor_parallel.comm import scatter_to_sequence_parallel_region
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
                                       set_spec, spec_of)
@@ -47,15 +47,19 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """Layers ``layer_ids`` of the model; ``pre_process``/``post_process`` mark the first/last stage."""
+    """Layers ``layer_ids`` of the model; ``pre_process``/``post_process`` mark the first/last stage.
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext, *, layer_ids: range | None = None,
-                 pre_process: bool = True, post_process: bool = True) -> None:
+    ``padded_vocab``: rows of the embedding and head over all TP ranks (the run plan's
+    ``padded_vocab_size``); None pads ``cfg``'s vocabulary for this TP degree (a model built alone).
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, *, padded_vocab: int | None = None,
+                 layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
         super().__init__()
         assert cfg.vocab_size is not None, "set cfg.vocab_size from the tokenizer first"
         self.cfg, self.ctx = cfg, ctx
         self.pre_process, self.post_process = pre_process, post_process
-        self.padded_vocab = cfg.padded_vocab_size(ctx.tp)
+        self.padded_vocab = cfg.padded_vocab_size(ctx.tp) if padded_vocab is None else padded_vocab
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.layer_ids = layer_ids
         tied = cfg.tied_embeddings
@@ -95,13 +99,6 @@ class GPTModel(nn.Module):
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
         """Vocab-sharded logits; the input-gradient all-reduce overlaps the head's weight-gradient GEMM."""
         return column_parallel_linear(x, self.output_weight, None, self.ctx.group, self.ctx.sequence_parallel)
-
-    @torch.no_grad()
-    def full_logits(self, ids_bs: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary logits [b, s, V] (padding dropped): for evaluation and conversion, not training."""
-        assert self.pre_process and self.post_process, "full_logits needs the whole model on one stage"
-        logits = gather_from_tensor_parallel_region(self.forward(ids_bs), self.ctx.group)
-        return logits[..., : self.cfg.vocab_size].transpose(0, 1)
 
 
 def count_parameters(model: nn.Module, tp: int = 1) -> int:

@@ -1,8 +1,10 @@
-"""Optimizers: the gradient-sync engine and the ZeRO 0/1/2 AdamW step over bucketed buffers, LR schedule."""
-from .adam import StepResult, param_groups
-from .grad_sync import GradSyncEngine
-from .protocol import ShardedOptimizerState
+"""The optimizer step: ZeRO 0/1/2/3 AdamW on the reduced shards (``zero.py``), norm and clipping, loss
+scaling, LR schedule, the optimizer-state stores (device / host / disk) and the protocols checkpoints and
+the trainer use. What moves parameters and gradients over the data-parallel group (buffers, buckets,
+the gradient-sync engine, ZeRO-3 units, parameter offload) is ``megazero.data_parallel``, underneath."""
+from .adam import StepResult
+from .protocol import ShardedOptimizerState, TrainingOptimizer
 from .zero import DistributedOptimizer, build_distributed_optimizer
 
-__all__ = ["DistributedOptimizer", "GradSyncEngine", "ShardedOptimizerState", "StepResult",
-           "build_distributed_optimizer", "param_groups"]
+__all__ = ["DistributedOptimizer", "ShardedOptimizerState", "StepResult", "TrainingOptimizer",
+           "build_distributed_optimizer"]

@@ -13,10 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
-from ..tensor_parallel.layers import spec_of
-from .buffers import Segment, merged_runs
+from ..data_parallel.buffers import Segment, merged_runs
 
 
 @dataclass
@@ -45,13 +43,6 @@ class AdamHyper:
     beta1: float
     beta2: float
     eps: float
-
-
-def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
-    """``torch.optim`` groups with the decay rule of ``ParamSpec.weight_decay`` (for reference runs)."""
-    decay = [p for p in params if spec_of(p).weight_decay]
-    no_decay = [p for p in params if not spec_of(p).weight_decay]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def decay_runs(segments: list[Segment]) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

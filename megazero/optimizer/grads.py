@@ -13,42 +13,15 @@ model-parallel group, and the gradient-sync engine over the DP shards when shard
 """
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
-import torch.distributed as dist
 
-from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import spec_of
-
-
-def all_reduce_coalesced(tensors: list[torch.Tensor], group: "dist.ProcessGroup | None") -> None:
-    """Sum ``tensors`` over ``group`` in one collective (one flat copy instead of one call each)."""
-    if group is None or not tensors:
-        return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    C.all_reduce(flat, group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset: offset + t.numel()].view_as(t))
-        offset += t.numel()
 
 
 def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     """The gradient an optimizer reads: the fp32 main grad when there is one, else ``.grad``."""
     return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
-
-
-@torch.no_grad()
-def sync_replicated_grads(params: Iterable[torch.nn.Parameter], pstate: ParallelState) -> None:
-    """Sum sequence-parallel grads over TP and tied-embedding grads over the embedding group."""
-    params = [p for p in params if grad_of(p) is not None]
-    if pstate.tp_group is not None:
-        all_reduce_coalesced([grad_of(p) for p in params if spec_of(p).sequence_parallel], pstate.tp_group)
-    if pstate.embedding_group is not None:
-        tied = [grad_of(p) for p in params if spec_of(p).tied_role is not None]
-        all_reduce_coalesced(tied, pstate.embedding_group)
 
 
 def counts_for_norm(p: torch.Tensor, pstate: ParallelState) -> bool:

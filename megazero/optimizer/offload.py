@@ -24,26 +24,24 @@ On CUDA, ``HostTransfers`` moves the gradients and parameters between the device
 and the host on side streams so the copies overlap compute; on a CPU-only
 machine it is not built and the step reads the shards in place.
 
-The disk store reads and writes with ``os.preadv``/``os.pwritev`` into its own
-buffers, never ``mmap``: mapped file pages would count in the process RSS the
-offload is meant to shrink. The file's blocks are reserved up front
-(``posix_fallocate``), so a full disk is reported at start-up, not mid-step.
-The files are a working set, not a checkpoint: checkpoints still go through
+The disk store reads and writes into its own buffers through a ``RankFile``
+(``data_parallel/rank_file.py``: blocks reserved up front, ``preadv``/``pwritev``
+loops, never ``mmap``, the ``--offload-path`` error), the layer the ZeRO-3
+parameter-shard store uses too. The files are a working set, not a checkpoint: checkpoints still go through
 ``state_segments`` into the sharded safetensors format.
 """
 from __future__ import annotations
 
-import errno
-import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 import torch
 
+from ..data_parallel.host_transfers import disk_buffer_width, host_empty
+from ..data_parallel.rank_file import OffloadError, RankFile
 from ..run_plan import Placement, StatePlacement
 from .adam import ShardedAdamState
-from .host_transfers import host_empty
 from .pieces import Runs, piece_bounds
 
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (master, exp_avg, exp_avg_sq), each [shard_numel] fp32
@@ -68,10 +66,6 @@ class ShardOnDemand:
 
 def _read(t) -> torch.Tensor:
     return t.read() if isinstance(t, ShardOnDemand) else t
-
-
-class OffloadError(ValueError):
-    """The offload folder cannot hold the optimizer state; the message names --offload-path and the fix."""
 
 
 class DeviceStore:
@@ -107,7 +101,6 @@ class HostStore(DeviceStore):
     """Master + moments in host memory, pinned on CUDA so copies to and from the device are asynchronous."""
 
     placement = Placement.HOST
-    states: list = []
 
     def __init__(self, shards: list[list[torch.Tensor]]) -> None:
         flat = [t for s in shards for t in s]
@@ -136,7 +129,6 @@ class DiskStore:
     (``pieces.piece_bounds``), so the host holds K x 12 x ``buffer_size`` bytes whatever the bucket size."""
 
     placement = Placement.DISK
-    states: list = []
 
     def __init__(self, shards: list[list[torch.Tensor]], folder: str, rank: int, buffers: int,
                  buffer_size: int = DEFAULT_BUFFER_SIZE, runs: list[Runs] | None = None) -> None:
@@ -152,33 +144,27 @@ class DiskStore:
             self.offsets.append(self.offsets[-1] + KINDS * (hi - lo) * 4)
         # shard elements per buffer, and K buffers unless one piece is all there is: what the planner
         # predicts from the shard sizes alone (memory/offload.py), whatever the cuts
-        self.width = min(buffer_size, max(self.numels, default=0))
+        self.width = disk_buffer_width(self.numels, buffer_size)
         self.by_bucket: list[list[int]] = [[] for _ in self.numels]
         for p, (i, _, _) in enumerate(self.pieces):
             self.by_bucket[i].append(p)
-        self.dir = os.path.join(folder, f"rank{rank}")
-        self.path = os.path.join(self.dir, "optimizer_state.bin")
         # the only state this rank holds in memory
         self.pool = [host_empty(KINDS * self.width) for _ in range(buffers if len(self.pieces) > 1 else 1)]
+        self.file = RankFile(folder, rank, "optimizer_state.bin", self.offsets[-1], what="the optimizer state")
         self.io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload-io")
-        self.fd = -1
         try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            if self.offsets[-1]:
-                os.posix_fallocate(self.fd, 0, self.offsets[-1])
             self._write_initial([t for s in shards for t in s])
         except OSError as err:
             self.close()
-            raise self.error(err, "creating the optimizer-state file") from err
+            raise self.error(err, "writing the initial optimizer state") from err
+
+    @property
+    def path(self) -> str:
+        return self.file.path
 
     def error(self, err: OSError, doing: str) -> OffloadError:
         """One line naming the flag, the folder, what failed and the fix."""
-        need = f"{self.offsets[-1] / 2**20:.1f} MiB per rank"
-        fix = ("free space there or choose a folder on a larger disk" if err.errno in (errno.ENOSPC, errno.EDQUOT)
-               else "choose a writable folder")
-        return OffloadError(f"--offload-path {self.folder}: {doing} failed ({err.strerror or err}; the optimizer "
-                            f"state needs {need}); {fix}.")
+        return self.file.error(err, doing)
 
     def _write_initial(self, flat: list[torch.Tensor]) -> None:
         """Masters = the parameters upcast, moments = 0, piece by piece through the first buffer: no fp32
@@ -199,22 +185,13 @@ class DiskStore:
         """Write ``spans`` (fp32, back to back) to piece ``p``'s region of the file."""
         offset = self.offsets[p]
         for t in spans:
-            view, done = memoryview(t.numpy()).cast("B"), 0
-            while done < len(view):  # a short write is legal; ENOSPC/EIO raise OSError
-                done += os.pwritev(self.fd, [view[done:]], offset + done)
-            offset += len(view)
+            offset += self.file.write(offset, t)
 
     def _pread(self, p: int, spans: list[torch.Tensor]) -> None:
         """Fill ``spans`` (fp32, back to back) from piece ``p``'s region of the file."""
         offset = self.offsets[p]
         for t in spans:
-            view, done = memoryview(t.numpy()).cast("B"), 0
-            while done < len(view):
-                got = os.preadv(self.fd, [view[done:]], offset + done)
-                if got == 0:
-                    raise OSError(errno.EIO, f"{self.path} is shorter than the optimizer state")
-                done += got
-            offset += len(view)
+            offset += self.file.read(offset, t)
 
     def _views(self, p: int, buf: torch.Tensor) -> Views:
         n = self._len(p)
@@ -298,19 +275,7 @@ class DiskStore:
     def close(self) -> None:
         """Remove this rank's file (and its folder when empty); the user's --offload-path stays."""
         self.io.shutdown(wait=True)
-        if self.fd >= 0:
-            close_rank_file(self.fd, self.path, self.dir)
-            self.fd = -1
-
-
-def close_rank_file(fd: int, path: str, folder: str) -> None:
-    """Close and remove a rank's working file, and its folder once empty (the user's --offload-path stays)."""
-    os.close(fd)
-    os.remove(path)
-    try:
-        os.rmdir(folder)
-    except OSError:
-        pass  # another tier's file still lives there
+        self.file.close()
 
 
 def build_store(shards: list[list[torch.Tensor]], placement: StatePlacement, rank: int,

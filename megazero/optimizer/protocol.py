@@ -1,11 +1,16 @@
-"""The optimizer as checkpoints see it: sharded state, piece by piece, plus a few scalars.
+"""The optimizer as its two users see it.
 
-Checkpoint save/load depend on this protocol only, not on ``DistributedOptimizer``:
-any optimizer that can list the pieces of parameters whose state it holds (and put
-loaded master weights back into the parameters) can be saved and resharded.
+``ShardedOptimizerState``: checkpoints (``megazero/checkpoint/``) - sharded state, piece by piece,
+plus a few scalars. Checkpoint save/load depend on this protocol only, not on
+``DistributedOptimizer``: any optimizer that can list the pieces of parameters whose state it
+holds (and put loaded master weights back into the parameters) can be saved and resharded.
+
+``TrainingOptimizer``: the training loop (``training/trainer.py``) - zero the grads, accumulate
+without communication, step.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any, Iterator, Protocol
 
 import torch
@@ -17,7 +22,12 @@ class ShardedOptimizerState(Protocol):
 
     @property
     def shards_state_over_dp(self) -> bool:
-        """True when each DP rank owns different state (ZeRO 1/2); False when every DP rank holds all of it."""
+        """True when each DP rank owns different state (ZeRO 1/2/3); False when every DP rank holds all of it."""
+        ...
+
+    @property
+    def state_views_transient(self) -> bool:
+        """True when ``state_segments``' views are reused for the next piece (disk offload): copy to keep."""
         ...
 
     def state_segments(self) -> Iterator[tuple[nn.Parameter, int, dict[str, torch.Tensor]]]:
@@ -37,4 +47,23 @@ class ShardedOptimizerState(Protocol):
 
     def sync_params_from_master(self) -> None:
         """After loading master pieces: cast them into the parameters and make every rank's copy whole."""
+        ...
+
+    def wait_param_gather(self) -> None:
+        """Block until every updated parameter has arrived (before a save reads the weights)."""
+        ...
+
+
+class TrainingOptimizer(Protocol):
+    """What the training loop calls once per step (``StepResult`` from ``adam.py``)."""
+
+    def zero_grad(self) -> None:
+        ...
+
+    def no_sync(self) -> AbstractContextManager[None]:
+        """Backwards inside only accumulate (every micro-batch but a chunk's last)."""
+        ...
+
+    def step(self, lr: float) -> Any:
+        """Reduce, clip and update, or skip; returns the step's ``StepResult``."""
         ...

@@ -1,4 +1,5 @@
-"""The distributed AdamW: the gradient-sync engine (``grad_sync.py``) composed with the step.
+"""The distributed AdamW (ZeRO 0/1/2/3): the gradient-sync engine (``data_parallel/engine.py``) composed with
+the step.
 
 The engine owns the buckets and every data-parallel collective; this module is
 the step that runs on the reduced shards once the engine has finished:
@@ -27,19 +28,21 @@ from ..config import Config, OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import Placement, RunPlan, StatePlacement, UnitGathering, ZeroStage
+from ..data_parallel.buffers import Bucket, ParamGradBuffer, merged_runs
+from ..data_parallel.engine import GradSyncEngine
+from ..data_parallel.host_transfers import HostTransfers
+from ..data_parallel.param_offload import param_shard_factory
+from ..data_parallel.rank_file import OffloadError
+from ..data_parallel.reduction import ReductionGroup
 from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
-from .buffers import Bucket, ParamGradBuffer, merged_runs
-from .grad_sync import GradSyncEngine
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
-from .host_transfers import HostTransfers
-from .offload import OffloadError, ShardOnDemand, build_store
-from .param_offload import param_shard_factory
+from .offload import ShardOnDemand, build_store
 from .pieces import runs_in
 from .scaler import DynamicLossScaler
 
 
 class DistributedOptimizer:
-    """AdamW with ZeRO stage ``zero`` over ``pstate``'s DP group; the trainer's optimizer interface."""
+    """AdamW with ZeRO stage ``zero`` (0/1/2/3) over ``pstate``'s DP group; the trainer's optimizer interface."""
 
     def __init__(self, modules: list[nn.Module], cfg: OptimizerConfig, pstate: ParallelState, *,
                  zero: ZeroStage | int = ZeroStage.NONE, bucket_size: int = 10_000_000,
@@ -49,30 +52,30 @@ class DistributedOptimizer:
         self.cfg, self.pstate, self.zero, self.scaler = cfg, pstate, ZeroStage(zero), scaler
         if self.zero.shards_parameters and gathering is None:
             gathering = UnitGathering()
-        self.sync = GradSyncEngine(modules, pstate, zero=self.zero, bucket_size=bucket_size,
-                                   main_grads_dtype=main_grads_dtype, overlap_param_gather=overlap_param_gather,
-                                   gathering=gathering, param_store=param_shard_factory(
-                                       placement.parameters, placement.offload_path, pstate.rank))
+        self.sync = GradSyncEngine(modules, pstate, ReductionGroup.of(pstate), stage=self.zero,
+                                   bucket_size=bucket_size, main_grads_dtype=main_grads_dtype,
+                                   overlap_param_gather=overlap_param_gather, gathering=gathering,
+                                   param_store=param_shard_factory(placement.parameters, placement.offload_path,
+                                                                   pstate.rank), placement=placement)
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
         try:
             self.store = _agreed_store([[_initial_shard(buf, b) for b in buf.buckets] for buf in self.buffers],
                                        placement, pstate, [r for runs in self.decay_runs for r in runs])
-        except BaseException:  # no optimizer to close yet: the parameter-shard files made above go now
-            self._close_param_stores()
+        except BaseException:  # no optimizer to close yet: the engine made above closes now
+            self.sync.close()
             raise
-        self.states = self.store.states  # the in-memory ShardedAdamState per buffer ([] when offloaded)
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
-        self.transfers = None  # CUDA + offloaded state: grads down and params up on side streams
-        if pstate.device.type == "cuda" and self.store.placement != Placement.DEVICE:
-            self.transfers = self.sync.transfers = HostTransfers(
-                self.bucket_list, persistent_master=self.store.placement == Placement.HOST,
-                ring_numel=getattr(self.store, "width", 0))
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
         if scaler is not None:
             scaler.attach(modules)
+
+    @property
+    def transfers(self) -> HostTransfers | None:
+        """CUDA + offloaded state: the engine's grads-down / params-up copies on side streams."""
+        return self.sync.transfers
 
     # -- the trainer's interface ------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -225,14 +228,10 @@ class DistributedOptimizer:
         return self.store.placement == Placement.DISK
 
     def close(self) -> None:
-        """Release the offload stores (the disk tier removes this rank's files)."""
+        """Release the offload stores (the disk tier removes this rank's files): the optimizer-state store this
+        optimizer made, and the engine's parameter-shard stores through the engine."""
         self.store.close()
-        self._close_param_stores()
-
-    def _close_param_stores(self) -> None:
-        for buf in self.buffers:
-            if buf.param_store is not None:
-                buf.param_store.close()
+        self.sync.close()
 
     def state_scalars(self) -> dict[str, Any]:
         return {"step": self.step_count, "scaler": None if self.scaler is None else self.scaler.state_dict()}

@@ -238,3 +238,15 @@ def barrier(group: Group) -> None:
     """Wait until every rank of ``group`` gets here."""
     if group is not None:
         dist.barrier(group=group)
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum ``tensors`` over ``group`` in one collective (one flat copy instead of one call each)."""
+    if group is None or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    all_reduce(flat, group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()

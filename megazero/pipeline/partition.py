@@ -36,11 +36,20 @@ def chunk_layer_ranges(num_layers: int, pp: int, vp: int = 1) -> list[list[range
             for r in range(pp)]
 
 
-def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
+def dropout_rng(cfg: Config, pstate: ParallelState) -> DropoutRNG:
+    """This rank's dropout streams (one pair per global layer), seeded from --seed: a run builds them once
+    and hands the same object to the model, the checkpoint saver and the loader."""
+    return DropoutRNG(cfg.training.seed, pstate.tp_rank, pstate.device)
+
+
+def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
+                 rng: DropoutRNG | None = None) -> list[nn.Module]:
     """This rank's ``plan.virtual_stages`` model chunks, initialised as slices of the seeded full model.
 
     Built on the meta device, then given storage in ``plan.compute_dtype`` on the run's device and
     initialised (drawn in fp32, cast), so start-up allocates and draws this rank's parameters only.
+    The plan gives the padded vocabulary and sequence parallelism; ``rng`` the dropout streams
+    (None: fresh ones from ``dropout_rng``, for a model nobody checkpoints).
 
     With tied embeddings split over stages, both copies of the word embedding are
     marked so the optimizer sums their gradients over the embedding group: the
@@ -48,13 +57,13 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.M
     it), the first stage's original "embedding".
     """
     vp = plan.virtual_stages
-    rng = DropoutRNG(cfg.training.seed, pstate.tp_rank, pstate.device)  # streams per global layer
-    ctx = TPContext(group=pstate.tp_group, sequence_parallel=cfg.parallel.sequence_parallel, rng=rng)
+    rng = dropout_rng(cfg, pstate) if rng is None else rng
+    ctx = TPContext(group=pstate.tp_group, sequence_parallel=plan.sequence_parallel, rng=rng)
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []
     for c, layer_ids in enumerate(ranges):
         with torch.device("meta"):  # shapes only: no default initialiser runs, nothing is allocated
-            model = GPTModel(cfg.model, ctx, layer_ids=layer_ids,
+            model = GPTModel(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, layer_ids=layer_ids,
                              pre_process=pstate.is_first_stage and c == 0,
                              post_process=pstate.is_last_stage and c == vp - 1)
         if model.pre_process and pstate.pp > 1 and cfg.model.tied_embeddings:

@@ -22,14 +22,14 @@ from ..memory.params import num_parameters
 from ..model.recompute import apply_recompute
 from ..optimizer.accounting import memory_records
 from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
-from ..parallel.layout import Layout, check_tp_inside_nodes, contiguous_nodes, describe_nodes
+from ..parallel.layout import check_tp_inside_nodes, contiguous_nodes, describe_nodes
 from ..parallel.state import (ParallelState, default_device, gather_nodes, init_distributed,
                               ranks_per_node_from_env, world_size_from_env)
 from ..pipeline.p2p import verify_stage_shapes
-from ..pipeline.partition import build_chunks
+from ..pipeline.partition import build_chunks, dropout_rng
 from ..pipeline.schedules import build_schedule, schedule_timeline
 from ..run_plan import RunPlan
-from ..tensor_parallel.random import seed_everything
+from ..tensor_parallel.random import DropoutRNG, seed_everything
 from .device_setup import apply_determinism, prepare_cuda_env
 from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
@@ -46,9 +46,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) ->
     ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE; None = one node) places ranks on nodes
     as torchrun numbers them, so a TP group that would span nodes is refused here.
     """
-    layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
-    plan = RunPlan.resolve(cfg, layout)
-    check_tp_inside_nodes(layout, contiguous_nodes(world_size, ranks_per_node or world_size),
+    plan = RunPlan.resolve(cfg, world_size)
+    check_tp_inside_nodes(plan.layout, contiguous_nodes(world_size, ranks_per_node or world_size),
                           cfg.parallel.allow_tp_across_nodes)
     return plan
 
@@ -66,15 +65,18 @@ def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
     return folder, storage.read_metadata(folder)
 
 
-def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState) -> list[nn.Module]:
+def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
+                       rng: DropoutRNG | None = None) -> list[nn.Module]:
     """This rank's model chunk(s), initialised as slices of the seeded full model, in the compute dtype.
+
+    ``rng``: the run's dropout streams (``dropout_rng``), which the saver and the loader get too.
 
     ``build_chunks`` draws the initial values in fp32 and casts them into compute-dtype storage; they
     reach the optimizer's fp32 master copy only through this cast (as Megatron). Also checks, with one
     all-gather over the pipeline group, that every stage expects the same activation shape and dtype
     (a mismatch raises on every rank before any send).
     """
-    chunks = build_chunks(cfg, plan, pstate)
+    chunks = build_chunks(cfg, plan, pstate, rng)
     verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
     for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
         apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
@@ -117,17 +119,17 @@ def _data(cfg: Config, rank: int, say: Callable,
 
 
 def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
-            optimizer: Any) -> tuple[int, int]:
+            optimizer: Any, rng: DropoutRNG) -> tuple[int, int]:
     """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
     folder, meta = found
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
     if ckpt_load.same_streams(meta, plan) and ckpt_load.has_rng(meta):  # any ZeRO stage: generators too
-        ckpt_load.load_rng(folder, pstate, chunks[0].ctx.rng)
+        ckpt_load.load_rng(folder, pstate, rng)
     return int(meta["iteration"]), int(meta["consumed_samples"])
 
 
 def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-           batches: MicroBatchIterator, loaded: str | None = None):
+           batches: MicroBatchIterator, rng: DropoutRNG, loaded: str | None = None):
     if not cfg.checkpoint.save:
         return None
 
@@ -135,7 +137,7 @@ def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Mo
         optimizer.wait_param_gather()
         save_checkpoint(cfg.checkpoint.save, iteration=iteration, consumed_samples=batches.consumed_samples,
                         cfg=cfg, plan=plan, pstate=pstate, chunks=chunks, optimizer=optimizer,
-                        tp_rng=chunks[0].ctx.rng, keep_last=cfg.checkpoint.keep_last,
+                        tp_rng=rng, keep_last=cfg.checkpoint.keep_last,
                         loaded=loaded)  # --keep-last never removes the checkpoint this run resumed from
 
     return save
@@ -181,7 +183,8 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
         own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
         cfg, plan, data = _prepare(cfg, plan, pstate, say, found, taken)
-        chunks = build_model_chunks(cfg, plan, pstate)
+        rng = dropout_rng(cfg, pstate)  # the model draws from it; checkpoints save and restore it
+        chunks = build_model_chunks(cfg, plan, pstate, rng)
         if found:
             say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
             ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
@@ -189,16 +192,16 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
         if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
-        start, consumed = _resume(found, plan, pstate, chunks, optimizer) if found else (0, 0)
+        start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng) if found else (0, 0)
         loaded = found[0] if found else None
-        return _trainer(cfg, plan, pstate, chunks, optimizer, data, start, consumed, owned, loaded).train()
+        return _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded).train()
 
 
 def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
              found: tuple[str, dict[str, Any]] | None, taken: list[str]) -> tuple[Config, RunPlan, DataBundle]:
     """The data, the run's plan (the vocabulary is known once the tokenizer is read) and the seeds."""
     cfg, data = _data(cfg, pstate.rank, say, found)
-    plan = RunPlan.resolve(cfg, plan.layout)
+    plan = RunPlan.resolve(cfg, plan.world_size)
     if cfg.checkpoint.load and not found:  # the restart idiom, first start
         say(f"megazero: --load {cfg.checkpoint.load} is the --save folder and holds no checkpoint yet; "
             f"starting from scratch (a restart will resume from its latest checkpoint)")
@@ -212,7 +215,8 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
 
 
 def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-             data: DataBundle, start: int, consumed: int, owned: ExitStack, loaded: str | None) -> Trainer:
+             rng: DropoutRNG, data: DataBundle, start: int, consumed: int, owned: ExitStack,
+             loaded: str | None) -> Trainer:
     """The loop over this run's batches; the metrics file and wandb close with ``owned``."""
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None
@@ -228,4 +232,4 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
                    start_iteration=start, eval_batches=eval_batches,
-                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, loaded), wandb=wandb)
+                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, rng, loaded), wandb=wandb)

@@ -23,6 +23,7 @@ from ..config import Config
 from ..data.sampler import to_device
 from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
+from ..optimizer.protocol import TrainingOptimizer
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..parallel.timer import DeviceTimer
@@ -99,7 +100,7 @@ class StopSignal:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
+    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: TrainingOptimizer,
                  schedule: Schedule, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
                  eval_batches: Callable[[], Any] | None = None, save: Callable[[int], None] | None = None, wandb: Any = None) -> None:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks

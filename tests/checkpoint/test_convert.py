@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_hf_round_trip_through_tp2_pp2(tmp_path, arch):
-    from tests.checkpoint.test_hf_mapping import CONFIGS
+    from tests.helpers.hf_configs import CONFIGS
 
     cfg = CONFIGS[arch]
     klass = transformers.GPT2LMHeadModel if arch == "gpt2" else transformers.LlamaForCausalLM

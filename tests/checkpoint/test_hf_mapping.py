@@ -9,22 +9,10 @@ from megazero.config import ModelConfig
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.tensor_parallel.layers import initialize_parameters
+from tests.helpers.hf_configs import CONFIGS
+from tests.helpers.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
-
-CONFIGS = {
-    "gpt2": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                        vocab_size=300),
-    "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                         seq_length=32, vocab_size=300),
-    # wavelengths 6.3, 63, 628, 6283 against cut-offs 16 and 64: kept, blended, divided, divided
-    "llama3_rope": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                               seq_length=32, vocab_size=300, rope_scaling_type="llama3", rope_scaling_factor=4.0,
-                               rope_scaling_original_max_position_embeddings=64,
-                               untie_embeddings_and_output_weights=False),
-    "gpt2_untied": ModelConfig(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=32,
-                               vocab_size=300, untie_embeddings_and_output_weights=True),
-}
 
 
 def _model(cfg: ModelConfig) -> GPTModel:
@@ -50,7 +38,7 @@ def test_hf_logits_match_and_round_trip(arch):
     cfg = CONFIGS[arch]
     model = _model(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=torch.Generator().manual_seed(0))
-    ours = model.full_logits(ids)
+    ours = full_logits(model, ids)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     hf = _hf_model(cfg, to_hf(state, cfg))
     with torch.no_grad():

@@ -16,9 +16,8 @@ from megazero.checkpoint import storage
 from megazero.checkpoint.save import save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
-from tests.checkpoint.serial_ckpt import build, save
-from tests.checkpoint.test_safety import _load
 from tests.helpers.dist import spawn
+from tests.helpers.serial_ckpt import build, load, save
 
 
 def _fail_rename_at(monkeypatch, call: int) -> None:
@@ -47,7 +46,7 @@ def test_resaving_an_iteration_survives_a_crash_between_renames(tmp_path, monkey
     assert open(os.path.join(root, "latest")).read().strip() == "iter_0000002"
     folder = storage.resolve(root)
     assert storage.read_metadata(folder)["iteration"] == 2
-    _load(root)
+    load(root)
     save(root, 3)  # the next publish tidies up: one copy of each iteration, no leftovers
     assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000002", "iter_0000003", "latest"]
     assert storage.read_metadata(os.path.join(root, "iter_0000002"))["iteration"] == 2
@@ -65,8 +64,9 @@ def _save_with_nan(pstate, root: str, where: str, bad_rank: int) -> str:
                 _, _, views = next(iter(optimizer.state_segments()))
                 views["exp_avg_sq"][0] = float("inf")
     try:
-        save_checkpoint(root, iteration=7, consumed_samples=0, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout),
-                        pstate=pstate, chunks=chunks, optimizer=optimizer)
+        save_checkpoint(root, iteration=7, consumed_samples=0, cfg=cfg,
+                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
+                        chunks=chunks, optimizer=optimizer)
     except ValueError as err:
         return str(err)
     return "saved"
@@ -81,4 +81,4 @@ def test_non_finite_save_is_refused_on_every_rank(tmp_path, where, bad_rank):
         assert "iteration 7" in message and "non-finite" in message, messages
     assert open(os.path.join(root, "latest")).read().strip() == "iter_0000005"
     assert sorted(os.listdir(root)) == ["iter_0000005", "latest"], "staging folder removed, nothing published"
-    _load(root)
+    load(root)

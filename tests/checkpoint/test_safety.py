@@ -1,7 +1,6 @@
 """Crash safety, --keep-last, clear errors on bad checkpoints, and llama conversion to HF."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -10,27 +9,17 @@ import sys
 import pytest
 import torch
 
-from megazero.checkpoint import load as ckpt_load
 from megazero.checkpoint import storage
 from megazero.run_plan import RunPlan
-from tests.checkpoint.serial_ckpt import build, save
 from tests.helpers.launch import ROOT, launch
-
-
-def _load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
-    cfg, pstate, chunks, optimizer = build(arch, hidden)
-    folder = storage.resolve(root)
-    meta = storage.read_metadata(folder)
-    cfg = dataclasses.replace(cfg, explicit=frozenset(cfg.to_flat()))  # as if every setting were a flag
-    ckpt_load.merge_config(meta, cfg)
-    ckpt_load.load_model_weights(folder, meta, chunks, pstate)
-    ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+from tests.helpers.reference import full_logits
+from tests.helpers.serial_ckpt import build, load, save
 
 
 def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     root = str(tmp_path / "ckpt")
     save(root, 1)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.checkpoint.serial_ckpt", root, "2", "--hang-mid-write"],
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.serial_ckpt", root, "2", "--hang-mid-write"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.stdout.readline().strip() == "HALF-WRITTEN"
     proc.kill()  # SIGKILL: no handler, no cleanup
@@ -38,7 +27,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     assert open(os.path.join(root, "latest")).read().strip() == "iter_0000001"
     assert any(".tmp-" in name for name in os.listdir(root)), "the interrupted save stays under its staging name"
     assert storage.read_metadata(storage.resolve(root))["iteration"] == 1
-    _load(root)
+    load(root)
     save(root, 3)  # the next save publishes and sweeps the abandoned staging folder
     assert sorted(os.listdir(root)) == ["iter_0000001", "iter_0000003", "latest"]
 
@@ -49,8 +38,9 @@ def test_keep_last(tmp_path):
         cfg, pstate, chunks, optimizer = build()
         from megazero.checkpoint.save import save_checkpoint
 
-        save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout),
-                        pstate=pstate, chunks=chunks, optimizer=optimizer, keep_last=2)
+        save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg,
+                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
+                        chunks=chunks, optimizer=optimizer, keep_last=2)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "latest"]
 
 
@@ -58,9 +48,9 @@ def test_clear_errors(tmp_path):
     root = str(tmp_path / "ckpt")
     folder = save(root, 1)
     with pytest.raises(ValueError, match="--arch"):
-        _load(root, arch="llama")
+        load(root, arch="llama")
     with pytest.raises(ValueError, match="--hidden-size"):
-        _load(root, hidden=64)
+        load(root, hidden=64)
     with pytest.raises(ValueError, match="no latest file"):
         storage.resolve(str(tmp_path / "nothing"))
 
@@ -70,17 +60,17 @@ def test_clear_errors(tmp_path):
     meta["model"]["final_norm.weight"]["files"]["model_tp00_pp00.safetensors"] = [[0, 33]]
     json.dump(meta, open(meta_path, "w"))
     with pytest.raises(ValueError, match="different size|does not match|a gap"):  # optimizer index no longer fits
-        _load(root)
+        load(root)
 
     folder = save(root, 2)
     model_file = os.path.join(folder, "model_tp00_pp00.safetensors")
     with open(model_file, "r+b") as fh:
         fh.truncate(os.path.getsize(model_file) - 100)
     with pytest.raises(ValueError, match="truncated|unreadable"):
-        _load(root)
+        load(root)
     os.remove(model_file)
     with pytest.raises(ValueError, match="missing"):
-        _load(root)
+        load(root)
 
 
 def test_trained_llama_converts_to_hf(tmp_path):
@@ -102,7 +92,7 @@ def test_trained_llama_converts_to_hf(tmp_path):
     model.load_state_dict(state)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     ids = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    ours = model.full_logits(ids)
+    ours = full_logits(model, ids)
     with torch.no_grad():
         theirs = hf(ids).logits
     assert (ours - theirs).abs().max() <= 1e-4 * ours.abs().max()

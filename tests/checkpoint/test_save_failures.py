@@ -19,8 +19,8 @@ from megazero.checkpoint import storage
 from megazero.checkpoint.save import save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
-from tests.checkpoint.serial_ckpt import build, save
 from tests.helpers.dist import spawn
+from tests.helpers.serial_ckpt import build, save
 
 LIMIT = 20_000  # bytes: above the RNG file, below an optimizer shard of the tiny model
 
@@ -33,8 +33,9 @@ def _save_on_a_full_disk(pstate, root: str, full_rank: int) -> tuple[str, int | 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, limits[1]))
     try:
-        save_checkpoint(root, iteration=9, consumed_samples=0, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout),
-                        pstate=pstate, chunks=chunks, optimizer=optimizer)
+        save_checkpoint(root, iteration=9, consumed_samples=0, cfg=cfg,
+                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
+                        chunks=chunks, optimizer=optimizer)
     except Exception as err:  # noqa: BLE001 - the test checks its type
         return type(err).__name__, getattr(err, "errno", None), str(err)
     finally:

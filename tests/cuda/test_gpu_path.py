@@ -7,7 +7,7 @@
 - with --deterministic, a checkpoint saved from CUDA tensors resumes on CUDA and continues the
   uninterrupted run's losses bit for bit (and two runs repeat each other). This small model
   repeated bitwise on an H100 without the flag too (2026-11-22); where the flag is needed shows
-  at larger attention shapes (README, "GPU").
+  at larger attention shapes (docs/gpu.md).
 - with 2+ GPUs, tp 2 over NCCL matches the single-GPU run to 1e-4.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 from megazero.arguments import parse_config
 from megazero.data import to_device
 from megazero.training.device_setup import CUBLAS_WORKSPACE, MAX_CONNECTIONS, prepare_cuda_env
-from tests.cuda.test_gpu_kernels import collective_problems, collective_results
+from tests.helpers.collective_checks import collective_problems, collective_results
 from tests.helpers.dist import spawn
 from tests.helpers.launch import ROOT
 

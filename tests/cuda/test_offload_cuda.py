@@ -63,12 +63,12 @@ def test_grads_go_down_in_backward_and_params_come_back(precision):
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from tests.helpers.batches import SyntheticBatches
-    from tests.optimizer.harness import build, make_cfg
+    from tests.helpers.optimizer_harness import build, make_cfg
 
     cfg = make_cfg(zero=2, mbs=2, gbs=8, bucket=3000, **precision).updated(device="cuda", offload_optimizer="cpu")
     pstate = ParallelState.serial("cuda")
     chunks, opt = build(pstate, cfg)
-    schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout))
+    schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
     batches = SyntheticBatches(cfg, 0, 1)
     buckets = opt.bucket_list
     assert len(buckets) > 2 and opt.transfers is not None

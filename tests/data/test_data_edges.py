@@ -19,7 +19,7 @@ from megazero.data.gpt_dataset import GPTDataset, build_indices
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.preprocess import tokenize_documents, write_documents
 from megazero.data.tokenizer import Tokenizer, train_sentencepiece
-from tests.data.test_gpt_dataset import make_indexed
+from tests.helpers.indexed_data import make_indexed
 from tests.helpers.launch import launch
 
 MODEL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -172,7 +172,7 @@ def _loss_on(folder: str, indices: range, corpus) -> float:
     meta = storage.read_metadata(folder)
     cfg = Config.from_flat(meta["config"])
     pstate = ParallelState.serial()
-    chunks = build_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
+    chunks = build_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     data = build_data(data_path=[corpus.small.data], tokenizer_model=corpus.small.model, split=cfg.data.split,
                       seq_length=cfg.model.seq_length, train_samples=indices.stop, eval_samples=0,

@@ -9,18 +9,7 @@ import pytest
 import torch
 
 from megazero.data.gpt_dataset import GPTDataset, load_or_build_indices, split_documents
-from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
-
-
-def make_indexed(folder: str, n_docs: int = 50, seed: int = 0, name: str = "data") -> IndexedDataset:
-    """Random documents (some empty) whose tokens encode (doc, position) uniquely."""
-    rng = np.random.RandomState(seed)
-    prefix = os.path.join(folder, name)
-    with IndexedDatasetWriter(prefix, vocab_size=100_000) as w:
-        for d in range(n_docs):
-            length = 0 if d % 17 == 5 else rng.randint(1, 40)
-            w.add_document(d * 100 + np.arange(length))
-    return IndexedDataset(prefix)
+from tests.helpers.indexed_data import make_indexed
 
 
 def stream_of(ds: GPTDataset) -> np.ndarray:

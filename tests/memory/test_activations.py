@@ -13,16 +13,17 @@ import itertools
 import torch
 
 from megazero.config import ModelConfig
-from megazero.memory import ActivationSpec, SavedTensorMeter, chunk_activation_bytes
+from megazero.memory import ActivationSpec, chunk_activation_bytes
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
-from megazero.optimizer.grads import sync_replicated_grads
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import initialize_parameters
 from megazero.tensor_parallel.random import DropoutRNG
 from tests.helpers.compare import full_grads, rel_err
 from tests.helpers.dist import spawn
+from tests.helpers.reference import sync_replicated_grads
+from tests.helpers.saved_tensors import SavedTensorMeter
 
 VOCAB, SEED, BATCH = 1000, 5, 2
 ARCHS = {

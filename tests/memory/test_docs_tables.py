@@ -1,4 +1,4 @@
-"""The planner tables in README.md and docs/planner_7b.md are the planner's current output.
+"""The planner tables in docs/memory_planner.md and docs/planner_7b.md are the planner's current output.
 
 They are pasted by ``python tools/plan_memory.py --write-docs`` between
 ``<!-- plan:NAME begin/end -->`` markers; this re-runs the planner and fails

@@ -9,11 +9,11 @@ from megazero.memory.grads import unit_buckets
 from megazero.memory.params import chunk_param_numels, chunk_param_units
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
-from megazero.optimizer.buffers import plan_buckets
-from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
-from megazero.optimizer.param_units import plan_units
+from megazero.data_parallel.buffers import plan_buckets
+from megazero.data_parallel.engine import MAX_INFLIGHT_BUCKETS
+from megazero.data_parallel.zero3 import plan_units
 from megazero.tensor_parallel.layers import spec_of
-from tests.memory.test_model_state import MODELS
+from tests.helpers.model_shapes import MODELS
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

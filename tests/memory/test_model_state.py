@@ -15,12 +15,12 @@ import pytest
 
 from megazero.config import Config, ModelConfig
 from megazero.memory import PlanSpec, model_state_bytes, num_parameters, plan_memory
-from megazero.parallel.layout import Layout
 from megazero.run_plan import RunPlan
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
 from tests.helpers.dist import spawn
-from tests.memory.step_meter import measure_steps
+from tests.helpers.model_shapes import MODELS
+from tests.helpers.step_meter import measure_steps
 
 # DP -> (baseline, P_os, P_os+g, P_os+g+p) in GB, per model size.
 ZERO_TABLE_1 = {
@@ -56,17 +56,6 @@ def test_zero_paper_table_1(psi):
 def test_headline_7_5b_at_dp_64():
     per_stage = [model_state_bytes(7.5e9, 64, z, "bf16", "bf16").total / 1e9 for z in (0, 1, 2)]
     assert [round(x, 1) for x in per_stage] == [120.0, 31.4, 16.6], per_stage
-
-
-MODELS = {
-    "gpt2": dict(arch="gpt2", num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1100),
-    "gpt2_untied": dict(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=24,
-                        max_position_embeddings=40, vocab_size=1000, untie_embeddings_and_output_weights=True),
-    "llama_gqa": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
-                      seq_length=16, vocab_size=1100),
-    "llama_tied": dict(arch="llama", num_layers=2, hidden_size=96, num_attention_heads=4, ffn_hidden_size=200,
-                       seq_length=16, vocab_size=999, untie_embeddings_and_output_weights=False),
-}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -115,7 +104,8 @@ def measured_records(pstate, layout: tuple) -> dict:
     from megazero.training.run import build_model_chunks
 
     cfg = _config(*layout[1:])
-    count = counted_parameters(build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate), pstate)
+    chunks = build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
+    count = counted_parameters(chunks, pstate)
     return {**measure_steps(pstate, cfg), "num_parameters": count}
 
 
@@ -126,7 +116,7 @@ def test_model_state_matches_measured_records():
     for layout in LAYOUTS:
         world, tp, pp = layout[:3]
         cfg = _config(*layout[1:])
-        run_plan = RunPlan.resolve(cfg, Layout.from_world(world, tp, pp))
+        run_plan = RunPlan.resolve(cfg, world)
         plan = plan_memory(PlanSpec.from_plan(cfg, run_plan, device="cpu"))
         assert plan.spec.schedule == "1f1b"
         for rec in spawn(measured_records, world, layout, tp=tp, pp=pp):

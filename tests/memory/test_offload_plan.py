@@ -24,17 +24,16 @@ from dataclasses import replace
 
 import pytest
 
-from megazero.config import Config, ConfigError, ModelConfig
+from megazero.config import Config, ConfigError, ModelConfig, Placement
 from megazero.memory import GIB, Hardware, PlanSpec, format_candidates, plan_memory, search_layouts
 from megazero.memory.offload import STATE_BYTES, OffloadHardware, offload_seconds
 from megazero.optimizer.accounting import measured_state_bytes
-from megazero.parallel.layout import Layout
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.run import build_model_chunks, build_optimizer
 from tests.helpers.batches import SyntheticBatches
 from tests.helpers.dist import spawn
-from tests.memory.step_meter import StepStateMeter
+from tests.helpers.step_meter import StepStateMeter
 
 MODELS = {
     "gpt2": dict(arch="gpt2", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1100),
@@ -66,7 +65,7 @@ def measured(pstate, folder: str) -> list[dict]:
     out = []
     for run in RUNS:
         cfg = _config(*run, folder)
-        plan = RunPlan.resolve(cfg, pstate.layout)
+        plan = RunPlan.resolve(cfg, pstate.layout.world_size)
         chunks = build_model_chunks(cfg, plan, pstate)
         opt = build_optimizer(cfg, plan, chunks, pstate)
         schedule, batches = build_schedule(plan), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
@@ -85,10 +84,10 @@ def test_offload_plan_matches_measured_bytes(tmp_path):
     bad = []
     for run_index, run in enumerate(RUNS):
         cfg = _config(*run, str(tmp_path / "offload"))
-        plan = plan_memory(PlanSpec.from_plan(cfg, RunPlan.resolve(cfg, Layout.from_world(2, 1, 1)), device="cpu"))
+        plan = plan_memory(PlanSpec.from_plan(cfg, RunPlan.resolve(cfg, 2), device="cpu"))
         stage = plan.stages[0]
-        spec = plan.spec
-        assert (spec.offload_optimizer, spec.offload_buffers, spec.offload_params) == run[3:], spec
+        where = plan.spec.run.placement
+        assert (where.optimizer_state.flag_word, where.offload_buffers, where.parameters.flag_word) == run[3:], where
         for rank, rec in enumerate(r[run_index] for r in results):
             exact = {k: getattr(stage, k) for k in EXACT}
             bad += [f"{run} rank {rank} {k}: planned {v:.0f}, measured {rec.get(k, 0)}" for k, v in exact.items()
@@ -111,40 +110,41 @@ LLAMA_7B = ModelConfig(arch="llama", num_layers=32, hidden_size=4096, num_attent
 def test_search_lists_layouts_that_fit_only_with_offload():
     """One 80 GiB GPU: 7B's 16 bytes/parameter never fit; moving the 12 of the optimizer off the device does
     (to the host, or with 64 GiB of host memory to disk), at a cost the table labels as assumed."""
-    base = PlanSpec(model=LLAMA_7B, recompute="full")
+    base = Config(model=LLAMA_7B).updated(recompute="full", bf16=True, global_batch_size=8)
     hw = Hardware(gpus=1, gpu_memory_gib=80)
-    assert search_layouts(base, hw, 8) == []
-    found = search_layouts(base, hw, 8, recomputes=("full",), offload=True)
-    assert found and all(c.offload_only and c.spec.offload_optimizer == "cpu" for c in found), found
+    assert search_layouts(base, hw) == []
+    found = search_layouts(base, hw, recomputes=("full",), offload=True)
+    assert found and all(c.offload_only and c.spec.run.placement.optimizer_state is Placement.HOST
+                         for c in found), found
     best = found[0]
     st, n = best.plan.peak, best.plan.peak.shard_elements
     assert n >= 6_738_415_616 and st.optimizer_bytes == 0 and st.optimizer_host_bytes == 12 * n, st
-    in_memory = plan_memory(replace(best.spec, offload_optimizer="none")).peak
+    in_memory = plan_memory(best.spec.updated(offload_optimizer="none")).peak
     assert st.total_bytes <= hw.usable_bytes < in_memory.total_bytes
     # assumed cost: grads down (4 n) and params up (2 n) at 25 GB/s, AdamW at 1e9 elements/s
     assert best.plan.offload_seconds() == pytest.approx(6 * n / 25e9 + n / 1e9)
     table = format_candidates(found, hw, top=3)
     assert "opt:cpu" in table and "assumed" in table, table
-    small_host = search_layouts(base, replace(hw, host_memory_gib=64), 8, recomputes=("full",), offload=True)
-    assert small_host and all(c.spec.offload_optimizer == "disk" for c in small_host), small_host
+    small_host = search_layouts(base, replace(hw, host_memory_gib=64), recomputes=("full",), offload=True)
+    assert small_host and all(c.spec.run.placement.optimizer_state is Placement.DISK for c in small_host), small_host
     disk = small_host[0].plan.peak
     assert disk.optimizer_disk_bytes == 12 * n and disk.host_bytes < 64 * GIB, disk
     assert small_host[0].step_seconds > best.step_seconds  # the disk tier costs more under the same assumptions
-    assert offload_seconds(n, 2, 4, 1, True, "disk", "none", OffloadHardware()) == pytest.approx(
+    assert offload_seconds(n, 2, 4, 1, True, Placement.DISK, Placement.DEVICE, OffloadHardware()) == pytest.approx(
         6 * n / 25e9 + n / 1e9 + 12 * n * 2 / 3e9)
 
 
 def test_zero3_parameter_offload_and_errors():
     """--offload-params moves ZeRO 3's shards off the device (w bytes each); any other stage is refused;
     the tool plans disk offload without a real --offload-path."""
-    spec = PlanSpec(model=LLAMA_7B, dp=8, zero=3, recompute="full")
+    cfg = Config(model=LLAMA_7B).updated(zero=3, recompute="full", bf16=True, micro_batch_size=1, global_batch_size=8)
+    spec = PlanSpec.for_world(cfg, 8)
     plain = plan_memory(spec).peak
-    moved = plan_memory(replace(spec, offload_optimizer="cpu", offload_params="cpu")).peak
+    moved = plan_memory(spec.updated(offload_optimizer="cpu", offload_params="cpu")).peak
     assert moved.params_host_bytes == 2 * moved.shard_elements == plain.params_bytes - moved.params_bytes, moved
-    for bad_spec in (replace(spec, zero=2, offload_optimizer="cpu", offload_params="cpu"),
-                     replace(spec, offload_params="disk")):
+    for bad in (dict(zero=2, offload_optimizer="cpu", offload_params="cpu"), dict(offload_params="disk")):
         with pytest.raises(ConfigError, match="--offload-params .* needs --zero 3"):
-            plan_memory(bad_spec)
+            plan_memory(spec.updated(**bad))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     loader = importlib.util.spec_from_file_location("plan_memory_tool", os.path.join(root, "tools", "plan_memory.py"))
     tool = importlib.util.module_from_spec(loader)

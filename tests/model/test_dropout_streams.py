@@ -25,7 +25,7 @@ from megazero.run_plan import RunPlan
 from megazero.training.run import build_model_chunks
 from tests.helpers.dist import spawn
 from tests.helpers.launch import launch
-from tests.pipeline.harness import Run, make_cfg, parity_errors, run_many, serial_reference, train
+from tests.helpers.pipeline_harness import Run, make_cfg, parity_errors, run_many, serial_reference, train
 
 P = 0.5  # large, so two independent masks of a few hundred elements never coincide
 SEQ = 8  # = head dim (hidden 32 / 4 heads), so v = identity fits in one head
@@ -37,7 +37,7 @@ def _cfg(arch: str = "gpt2", p: float = P, **layout):
 
 
 def _chunks(cfg, pstate: ParallelState) -> list:
-    return build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
+    return build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
 
 
 def _attention_mask(block) -> torch.Tensor:

@@ -11,10 +11,10 @@ import torch
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
-from megazero.optimizer.grads import sync_replicated_grads
 from megazero.tensor_parallel.layers import initialize_parameters
 from tests.helpers.compare import full_grads, rel_err
 from tests.helpers.dist import spawn
+from tests.helpers.reference import sync_replicated_grads
 
 VOCAB, SEED = 1100, 11
 ARCHS = {

@@ -9,7 +9,7 @@ against 8 bytes). Counted by the communication ledger at the collective calls, o
 from __future__ import annotations
 
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import make_cfg, train
+from tests.helpers.optimizer_harness import make_cfg, train
 
 DP = 2
 PRECISIONS = {"fp32": ({}, 4, 4), "bf16+bf16grads": (dict(bf16=True, main_grads_dtype="bf16"), 2, 2),

@@ -18,7 +18,7 @@ import torch
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import spec_of
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import build, make_cfg
+from tests.helpers.optimizer_harness import build, make_cfg
 
 ZEROS = (0, 1, 2)
 TOL = 1e-9

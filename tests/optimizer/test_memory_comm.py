@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Callable
 
 from megazero.optimizer.accounting import memory_record
-from megazero.optimizer.grad_sync import MAX_INFLIGHT_BUCKETS
+from megazero.data_parallel.engine import MAX_INFLIGHT_BUCKETS
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import build, make_cfg, train
+from tests.helpers.optimizer_harness import build, make_cfg, train
 
 DP, BUCKET = 4, 10_000
 PRECISIONS = {  # name: (training flags, bytes/param for zero 0, 1, 2 at dp = 4)

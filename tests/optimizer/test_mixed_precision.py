@@ -20,7 +20,7 @@ from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.run import run
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import SyntheticBatches, build, make_cfg
+from tests.helpers.optimizer_harness import SyntheticBatches, build, make_cfg
 
 ITERS = 50
 
@@ -57,7 +57,7 @@ def overflow_run(pstate) -> dict:
     for zero in (0, 1, 2):
         cfg = make_cfg(zero=zero, mbs=4, fp16=True, initial_loss_scale=1024.0)
         chunks, opt = build(pstate, cfg)
-        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout))
+        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
         batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         target = opt.buffers[0].params[0]  # first in the buffer: the start of bucket 0, DP rank 0's shard
         inject = {"on": False}

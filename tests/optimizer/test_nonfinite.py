@@ -21,7 +21,7 @@ from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import spec_of
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import SyntheticBatches, build, make_cfg, train
+from tests.helpers.optimizer_harness import SyntheticBatches, build, make_cfg, train
 
 # (precision, zero, injected value, loss scale floor reached)
 CASES = [("fp32", 0, "nan", False), ("fp32", 1, "inf", False), ("fp32", 2, "nan", False),
@@ -31,7 +31,7 @@ SCALE = 1024.0
 
 
 def _snapshot(opt) -> tuple[list[torch.Tensor], int]:
-    tensors = [buf.param_data for buf in opt.buffers] + [t for st in opt.states for t in st.tensors()]
+    tensors = [buf.param_data for buf in opt.buffers] + opt.store.tensors()
     return [t.clone() for t in tensors], opt.step_count
 
 
@@ -51,7 +51,7 @@ def skip_cases(pstate) -> dict:
                                                   "min_loss_scale": SCALE if floor else 1.0}}.get(precision, {})
         cfg = make_cfg(zero=zero, tp=2, pp=2, mbs=2, clip=1.0, **flags)
         chunks, opt = build(pstate, cfg)
-        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout))
+        schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
         batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         inject = {"on": False}
         target = _replicated_param(chunks[-1])

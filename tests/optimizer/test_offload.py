@@ -25,14 +25,14 @@ import pytest
 import torch
 
 from megazero.config import Config, ConfigError
-from megazero.optimizer import offload
 from megazero.optimizer.accounting import measured_state_bytes
 from megazero.optimizer.offload import DiskStore, OffloadError
 from megazero.parallel.state import ParallelState
 from megazero.training.preflight import output_paths
-from tests.checkpoint.test_zero3_checkpoint import cfg_for, segment
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import build, make_cfg, train
+from tests.helpers.offload_runs import differences, train_closed
+from tests.helpers.optimizer_harness import build, make_cfg
+from tests.helpers.resume import cfg_for, segment
 
 PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp16": dict(fp16=True, initial_loss_scale=1024.0)}
 SMALL = 320  # --offload-buffer-size for the disk runs: below every multi-parameter bucket shard here
@@ -43,19 +43,6 @@ def offloaded(cfg: Config, where: str, folder: str, buffers: int = 2, size: int 
         return cfg
     path = {"offload_path": folder, "offload_buffer_size": size} if where == "disk" else {}
     return cfg.updated(offload_optimizer=where, offload_buffers=buffers, **path)
-
-
-def train_closed(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
-    """``harness.train``, the memory record after it, then close(): the disk tier must remove its files
-    (the optimizer-state file and, with --offload-params disk, the parameter-shard files)."""
-    seen: list = []
-    out = train(pstate, cfg, hook=lambda chunks, opt, ps: seen.append(opt))
-    opt = seen[0]
-    out["memory"] = measured_state_bytes(opt)
-    paths = [getattr(store, "path", None) for store in (opt.store, *(buf.param_store for buf in opt.buffers))]
-    opt.close()
-    out["files_left"] = [p for p in paths if p is not None and os.path.exists(p)]
-    return out
 
 
 def pool_check(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
@@ -103,15 +90,6 @@ def world_8(pstate: ParallelState, folder: str) -> dict[str, Any]:
     base = make_cfg(zero=3, tp=2, pp=2, mbs=2)
     folder = f"{folder}/offload"
     return {where: train_closed(pstate, offloaded(base, where, folder)) for where in ("none", "cpu", "disk")}
-
-
-def differences(run: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    """Everything in which ``run`` is not bitwise ``ref``: per-iteration loss/grad norm/eval, weights."""
-    bad = [f"records {i}" for i, (a, b) in enumerate(zip(run["records"], ref["records"]))
-           if (a.get("loss"), a.get("grad_norm")) != (b.get("loss"), b.get("grad_norm"))]
-    bad += [f"eval {i}" for i, (a, b) in enumerate(zip(run.get("evals", []), ref.get("evals", []))) if a != b]
-    bad += [name for name, value in ref["params"].items() if not torch.equal(run["params"][name], value)]
-    return bad + (["record count"] if len(run["records"]) != len(ref["records"]) else [])
 
 
 def test_offload_dp2_bitwise_checkpoints_and_pool(tmp_path):
@@ -172,11 +150,11 @@ def test_offload_flags_and_errors(tmp_path, monkeypatch, capsys):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with monkeypatch.context() as m:
-        m.setattr(offload.os, "posix_fallocate", full)
+        m.setattr(os, "posix_fallocate", full)
         with pytest.raises(OffloadError, match=r"--offload-path .*needs .* MiB per rank.*free space"):
             build(serial, cfg)
     store = DiskStore([[torch.ones(10), torch.ones(7)]], str(tmp_path / "mid"), rank=0, buffers=2)
-    monkeypatch.setattr(offload.os, "pwritev", full)  # the disk fills up after start-up
+    monkeypatch.setattr(os, "pwritev", full)  # the disk fills up after start-up
     with pytest.raises(OffloadError, match=r"--offload-path .*writing the optimizer state.*free space"):
         for _ in store.sweep():
             pass

@@ -22,10 +22,10 @@ import pytest
 from megazero.config import Config, ConfigError
 from megazero.parallel.state import ParallelState
 from megazero.training.preflight import output_paths
-from tests.checkpoint.test_zero3_checkpoint import cfg_for, segment
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import make_cfg, train
-from tests.optimizer.test_offload import differences, train_closed
+from tests.helpers.offload_runs import differences, train_closed
+from tests.helpers.optimizer_harness import make_cfg, train
+from tests.helpers.resume import cfg_for, segment
 
 
 def offloaded(cfg: Config, params: str, optimizer: str, folder: str) -> Config:

@@ -6,11 +6,11 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
-from megazero.optimizer.adam import param_groups
-from megazero.optimizer.buffers import plan_buckets
+from megazero.data_parallel.buffers import plan_buckets
 from megazero.optimizer.grads import counts_for_norm
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import spec_of
+from tests.helpers.reference import param_groups
 
 CFG = ModelConfig(arch="gpt2", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
 

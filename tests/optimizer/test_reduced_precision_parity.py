@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import make_cfg, train
+from tests.helpers.optimizer_harness import make_cfg, train
 
 UNIT = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}  # unit roundoff: half the spacing just above 1
 PRECISION = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": 1024.0}}

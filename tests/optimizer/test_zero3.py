@@ -43,7 +43,7 @@ import torch
 
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import compare_runs, failures, make_cfg, tolerance
+from tests.helpers.optimizer_harness import compare_runs, failures, make_cfg, tolerance
 from tests.optimizer.zero3_checks import (EVAL_BATCHES, PRECISION, STATE_PRECISIONS, TRAFFIC_RUNS, checked_run,
                                            run_all)
 
@@ -67,7 +67,7 @@ PP_RUNS = {"1f1b.clip": dict(pp=2, mbs=2, clip=CLIP), "1f1b.keep.4mb": dict(pp=2
            "interleaved.prefetch0.clip": dict(pp=2, vp=2, layers=4, mbs=1, prefetch=0, clip=CLIP),
            "interleaved.keep.full": dict(pp=2, vp=2, layers=4, mbs=1, reshard=False, recompute="full")}
 # interleaved.keep: block-only chunks of 3 buckets, where a micro-batch's gradient once reached a
-# bucket whose previous reduce-scatter was still in flight (grad norm 10% off; fixed in grad_sync.py)
+# bucket whose previous reduce-scatter was still in flight (grad norm 10% off; fixed in data_parallel/engine.py)
 TP_PP_RUNS = {"sp.clip": dict(tp=2, pp=2, sp=True, mbs=2, clip=CLIP),
               "interleaved.keep": dict(tp=2, pp=2, vp=2, layers=4, mbs=1, reshard=False)}
 

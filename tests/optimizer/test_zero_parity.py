@@ -13,13 +13,13 @@ import torch
 
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
-from megazero.optimizer.adam import param_groups
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import initialize_parameters
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
-from tests.optimizer.harness import SyntheticBatches, compare_runs, failures, make_cfg, tolerance, train
+from tests.helpers.optimizer_harness import SyntheticBatches, compare_runs, failures, make_cfg, tolerance, train
+from tests.helpers.reference import param_groups
 
 CLIP = 0.05  # well below the grad norms of this model (~1), so clipping is active every step
 

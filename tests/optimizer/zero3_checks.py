@@ -18,12 +18,12 @@ from torch import nn
 from megazero.config import Config
 from megazero.memory.params import model_state_bytes
 from megazero.optimizer.accounting import measured_state_bytes
-from megazero.optimizer.param_units import Unit
+from megazero.data_parallel.zero3 import Unit
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.evaluate import evaluate
-from tests.optimizer.harness import SyntheticBatches, build, make_cfg, train
+from tests.helpers.optimizer_harness import SyntheticBatches, build, make_cfg, train
 
 EVAL_BATCHES = 1
 
@@ -132,7 +132,7 @@ def checked_run(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
     probe: UnitProbe | None = built.get("probe")
     if probe is not None:
         probe.phase = "eval"
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     eval_cfg = make_cfg(gbs=cfg.training.global_batch_size, mbs=cfg.training.micro_batch_size)
     run["eval_loss"] = evaluate(built["chunks"], SyntheticBatches(eval_cfg, pstate.dp_rank, pstate.dp),
                                 EVAL_BATCHES, pstate, plan.stage_shape, plan.compute_dtype)["val_loss"]

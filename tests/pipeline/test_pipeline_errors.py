@@ -11,7 +11,7 @@ from megazero.pipeline.partition import chunk_layer_ranges
 from megazero.run_plan import RunPlan
 from megazero.training.run import build_model_chunks, validate
 from tests.helpers.dist import spawn
-from tests.pipeline.harness import make_cfg
+from tests.helpers.pipeline_harness import make_cfg
 
 # name -> (config, world size, words the message must contain)
 BAD = {
@@ -53,7 +53,7 @@ def bad_input_on_every_rank(pstate) -> dict[str, str | None]:
     # this rank was launched with its own --seq-length: the stages must not start exchanging
     cfg = make_cfg("gpt2", pp=2, seq=16 if pstate.pp_rank == 0 else 32)
     try:
-        build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)
+        build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
         out["stage shapes"] = None
     except ConfigError as err:
         out["stage shapes"] = str(err)

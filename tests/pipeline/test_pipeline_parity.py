@@ -16,7 +16,7 @@ import json
 
 from megazero.pipeline.timeline import bubble_of_step
 from tests.helpers.dist import spawn
-from tests.pipeline.harness import ITERS, Run, make_cfg, parity_errors, run_many, serial_reference
+from tests.helpers.pipeline_harness import ITERS, Run, make_cfg, parity_errors, run_many, serial_reference
 
 TOL = 1e-5
 SCHEDULES = ("gpipe", "1f1b", "interleaved")

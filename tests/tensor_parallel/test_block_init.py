@@ -75,7 +75,7 @@ def _build(arch: str, pstate: ParallelState, seed: int = 3,
            bf16: bool = False) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
     """This rank's first chunk built as a run builds it, and its parameters by name."""
     cfg = Config.from_flat({**MODELS[arch], "seed": seed, "bf16": bf16, "tensor_model_parallel_size": pstate.tp})
-    model = build_chunks(cfg, RunPlan.resolve(cfg, pstate.layout), pstate)[0]
+    model = build_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)[0]
     assert all(p.device.type == "cpu" for p in model.parameters()), "a parameter was left on the meta device"
     return {name: p.detach() for name, p in model.named_parameters()}, model
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from megazero.memory.measure import SavedTensorMeter
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
@@ -16,7 +15,8 @@ from megazero.training.evaluate import evaluate
 from megazero.training.run import build_model_chunks
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
-from tests.pipeline.harness import SyntheticBatches, make_cfg, train
+from tests.helpers.pipeline_harness import SyntheticBatches, make_cfg, train
+from tests.helpers.saved_tensors import SavedTensorMeter
 
 MODES = ("none", "selective", "full")
 
@@ -46,12 +46,12 @@ def recompute_parity_and_eval(pstate) -> dict[str, float]:
 def _eval_error(arch: str, pstate) -> float:
     """evaluate() through tp=2 x pp=2 vs the serial model's mean loss on the same two global batches."""
     cfg = make_cfg(arch, tp=2, pp=2)
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     got = evaluate(chunks, SyntheticBatches(cfg, 0, 1), 2, pstate, plan.stage_shape, plan.compute_dtype)["val_loss"]
     serial_cfg = make_cfg(arch)
     serial = ParallelState.serial()
-    model = build_model_chunks(serial_cfg, RunPlan.resolve(serial_cfg, serial.layout), serial)[0].eval()
+    model = build_model_chunks(serial_cfg, RunPlan.resolve(serial_cfg, serial.layout.world_size), serial)[0].eval()
     batches = SyntheticBatches(serial_cfg, 0, 1)
     with torch.no_grad():
         losses = [model(mb[:, :-1], mb[:, 1:]) for _ in range(2) for mb in batches.next_step()]

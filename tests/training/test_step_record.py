@@ -8,7 +8,7 @@ import sys
 
 from megazero.parallel.state import ParallelState
 from tests.helpers.launch import ROOT
-from tests.optimizer.harness import make_cfg, train
+from tests.helpers.optimizer_harness import make_cfg, train
 
 
 def record(folder, monkeypatch, lr: float) -> None:

@@ -48,7 +48,7 @@ def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: 
 
 def build(pstate: ParallelState, cfg: Config) -> tuple[list[torch.nn.Module], DistributedOptimizer]:
     """The model chunks (cast to the compute dtype by set-up) and the optimizer, as a run builds them."""
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     return chunks, build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
 
@@ -58,7 +58,7 @@ def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
     chunks, optimizer = build(pstate, cfg)
     if hook is not None:
         hook(chunks, optimizer, pstate)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(RunPlan.resolve(cfg, pstate.layout)),
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size)),
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}

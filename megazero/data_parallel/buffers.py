@@ -7,31 +7,33 @@ are laid out in *reverse* registration order, which is roughly the order
 backward produces their gradients, so buckets fill one after another and
 their communication can start while backward continues.
 
-Buckets hold whole parameters and are padded to a multiple of
-``num_shards`` (the DP size under ZeRO 1/2, else 1) so every rank owns an
-equal, contiguous 1/num_shards slice of each bucket: its *shard*. A tied
-word embedding gets a bucket of its own, so the first and last pipeline
-stage shard it identically and can sum their shards over the embedding group.
+Buckets (``bucketing.cut_buckets``: the one bucket rule) hold whole parameters
+and are padded to a multiple of ``num_shards`` (the reduction group's size under
+ZeRO 1/2/3, else 1) so every rank owns an equal, contiguous 1/num_shards slice
+of each bucket: its *shard*. A tied word embedding gets a bucket of its own, so
+the first and last pipeline stage shard it identically and can sum their shards
+over the embedding group.
 
-Gradient storage depends on the stage:
-- ``shard_grads=False`` (ZeRO 0/1): one persistent full-size grad buffer;
+Gradient storage depends on the ``ZeroStage`` (``stage``):
+- not ``shards_gradients`` (ZeRO 0/1): one persistent full-size grad buffer;
   a bucket's shard is a view into it (reduce-scatter runs in place).
-- ``shard_grads=True`` (ZeRO 2/3): a persistent grad *shard* per bucket, and
+- ``shards_gradients`` (ZeRO 2/3): a persistent grad *shard* per bucket, and
   a full-size bucket gradient that exists only from the first gradient that
   reaches the bucket in a step (ZeRO 3: in a micro-batch) until its
   reduce-scatter has completed.
 
 Parameter storage likewise:
-- ``shard_params=False`` (ZeRO 0/1/2): the flat ``param_data`` holds every
+- not ``shards_parameters`` (ZeRO 0/1/2): the flat ``param_data`` holds every
   parameter; a bucket's parameter shard is a view into it.
-- ``shard_params=True`` (ZeRO 3): a persistent parameter *shard* per bucket
+- ``shards_parameters`` (ZeRO 3): a persistent parameter *shard* per bucket
   (``param_shard_data``), and per bucket a full-size tensor with a storage of
   its own that the parameters stay views of; ``free_params`` resizes that
   storage to 0 bytes and ``materialize_params`` gives it its bytes back for an
   all-gather to fill. ``unit_of`` closes buckets at ZeRO-3 unit boundaries, so
   a unit gathers whole buckets. With ``--offload-params`` the shards live in a
   ``param_store`` (``param_offload.py``: host memory or a file) instead of
-  ``param_shard_data``; a gather fetches them, the step writes them back.
+  ``param_shard_data``; a gather fetches them, the step writes them back. The
+  buffer makes its store (``param_store``: a factory) and closes it (``close``).
 """
 from __future__ import annotations
 
@@ -41,9 +43,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..run_plan import ZeroStage
 from ..tensor_parallel.layers import spec_of
-
-PAD_ALIGN = 16  # elements: keeps every shard 32/64-byte aligned for bf16/fp32 kernels
+from .bucketing import cut_buckets
 
 
 @dataclass
@@ -107,37 +109,23 @@ class Bucket:
 
 def plan_buckets(params: list[nn.Parameter], bucket_size: int, num_shards: int, shard_rank: int,
                  unit_of: dict[nn.Parameter, int] | None = None) -> tuple[list[Bucket], dict[nn.Parameter, int]]:
-    """Group params (already in buffer order) into padded buckets; returns buckets and param offsets.
-
-    With ``unit_of`` (ZeRO 3) a bucket never holds parameters of two units.
-    """
+    """Group params (already in buffer order) into padded buckets (``bucketing.cut_buckets``); returns
+    buckets and param offsets. With ``unit_of`` (ZeRO 3) a bucket never holds parameters of two units."""
+    cuts = cut_buckets([p.numel() for p in params], bucket_size, num_shards,
+                       tied=[spec_of(p).tied_role is not None for p in params],
+                       units=None if unit_of is None else [unit_of[p] for p in params])
     buckets: list[Bucket] = []
     offsets: dict[nn.Parameter, int] = {}
-    pending: list[nn.Parameter] = []
     cursor = 0
-
-    def close() -> None:
-        nonlocal cursor, pending
-        if not pending:
-            return
-        used = sum(p.numel() for p in pending)
-        align = num_shards * PAD_ALIGN
-        numel = -(-used // align) * align
-        shard = numel // num_shards
-        buckets.append(Bucket(index=len(buckets), params=pending, offset=cursor, numel=numel,
-                              shard_lo=cursor + shard_rank * shard, shard_hi=cursor + (shard_rank + 1) * shard))
-        cursor += numel
-        pending = []
-
-    for p in params:
-        tied = spec_of(p).tied_role is not None
-        if tied or (unit_of is not None and pending and unit_of[pending[0]] != unit_of[p]):
-            close()  # a tied embedding is alone in its bucket (same shards on both stages)
-        offsets[p] = cursor + sum(q.numel() for q in pending)
-        pending.append(p)
-        if tied or sum(q.numel() for q in pending) >= bucket_size:
-            close()
-    close()
+    for cut in cuts:
+        shard = cut.numel // num_shards
+        b = Bucket(index=len(buckets), params=params[cut.start:cut.stop], offset=cursor, numel=cut.numel,
+                   shard_lo=cursor + shard_rank * shard, shard_hi=cursor + (shard_rank + 1) * shard)
+        at = cursor
+        for p in b.params:
+            offsets[p], at = at, at + p.numel()
+        buckets.append(b)
+        cursor += cut.numel
     for b in buckets:
         for p in b.params:
             lo, hi = max(offsets[p], b.shard_lo), min(offsets[p] + p.numel(), b.shard_hi)
@@ -150,19 +138,17 @@ class ParamGradBuffer:
     """Flat storage for one chunk's parameters and main gradients (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], *, bucket_size: int, num_shards: int, shard_rank: int,
-                 param_dtype: torch.dtype, grad_dtype: torch.dtype, shard_grads: bool, device: torch.device,
-                 shard_params: bool = False, unit_of: dict[nn.Parameter, int] | None = None,
-                 param_store: Callable | None = None) -> None:
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, stage: ZeroStage, device: torch.device,
+                 unit_of: dict[nn.Parameter, int] | None = None, param_store: Callable | None = None) -> None:
         self.params = list(reversed(params))  # backward order
-        self.num_shards, self.grad_dtype, self.shard_grads = num_shards, grad_dtype, shard_grads
-        self.param_dtype, self.shard_params = param_dtype, shard_params
+        self.num_shards, self.grad_dtype, self.param_dtype, self.stage = num_shards, grad_dtype, param_dtype, stage
         self.buckets, self.offsets = plan_buckets(self.params, bucket_size, num_shards, shard_rank, unit_of)
         self.numel = sum(b.numel for b in self.buckets)
         self.device = device
         self.param_data: torch.Tensor | None = None  # every parameter (ZeRO 0/1/2)
         self.param_shard_data: torch.Tensor | None = None  # persistent parameter shards (ZeRO 3)
-        self.param_store = None  # ZeRO 3 + --offload-params: (numel, dtype, device) -> where the shards live
-        if shard_params:
+        self.param_store = None  # ZeRO 3 + --offload-params: where the shards live (made here, closed by close())
+        if stage.shards_parameters:
             if param_store is None:
                 self.param_shard_data = torch.zeros(self.numel // num_shards, dtype=param_dtype, device=device)
             else:
@@ -182,7 +168,7 @@ class ParamGradBuffer:
                 self.param_data[b.offset + sum(p.numel() for p in b.params): b.offset + b.numel].zero_()
         self.grad_data: torch.Tensor | None = None  # full main-grad buffer (ZeRO 0/1)
         self.grad_shard_data: torch.Tensor | None = None  # persistent grad shards (ZeRO 2/3)
-        if shard_grads:
+        if stage.shards_gradients:
             self.grad_shard_data = torch.zeros(self.numel // num_shards, dtype=grad_dtype, device=device)
         else:
             self.grad_data = torch.zeros(self.numel, dtype=grad_dtype, device=device)
@@ -218,27 +204,27 @@ class ParamGradBuffer:
     def bucket_grad(self, b: Bucket) -> torch.Tensor:
         """The full-size gradient [numel] of bucket ``b``; allocated (zeros) on demand under ZeRO 2."""
         if b.grad is None:
-            assert self.shard_grads, "ZeRO 0/1 buckets keep their gradient views for the whole run"
+            assert self.stage.shards_gradients, "ZeRO 0/1 buckets keep their gradient views for the whole run"
             self._attach_grad(b, torch.zeros(b.numel, dtype=self.grad_dtype, device=self.device))
         return b.grad
 
     def release(self, b: Bucket) -> None:
-        """ZeRO 2: drop the full-size bucket gradient once its shard has been reduced out of it."""
-        if self.shard_grads:
+        """ZeRO 2/3: drop the full-size bucket gradient once its shard has been reduced out of it."""
+        if self.stage.shards_gradients:
             b.grad = None
             for p in b.params:
                 p.main_grad = None
 
     def grad_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced-gradient shard [shard_numel] of bucket ``b``."""
-        if self.shard_grads:
+        if self.stage.shards_gradients:
             lo = b.offset // self.num_shards
             return self.grad_shard_data[lo: lo + b.shard_numel]
         return self.grad_data[b.shard_lo: b.shard_hi]
 
     def param_shard(self, b: Bucket) -> torch.Tensor:
         """This rank's parameter shard [shard_numel] of bucket ``b`` (what the optimizer step updates)."""
-        if self.shard_params:
+        if self.stage.shards_parameters:
             assert self.param_store is None, "offloaded shards: use read/fetch/set_param_shard"
             lo = b.offset // self.num_shards
             return self.param_shard_data[lo: lo + b.shard_numel]
@@ -269,7 +255,7 @@ class ParamGradBuffer:
 
     def param_bucket(self, b: Bucket) -> torch.Tensor:
         """The full-size parameters [numel] of bucket ``b`` (ZeRO 3: materialized first)."""
-        if self.shard_params:
+        if self.stage.shards_parameters:
             return self.materialize_params(b)
         return self.param_data[b.offset: b.offset + b.numel]
 
@@ -277,9 +263,13 @@ class ParamGradBuffer:
         """Start a step: accumulation restarts from zero and no bucket has communicated."""
         if self.grad_data is not None:
             self.grad_data.zero_()
-        if self.shard_params:  # ZeRO 3 adds every micro-batch's reduce-scatter into the shard
+        if self.stage.shards_parameters:  # ZeRO 3 adds every micro-batch's reduce-scatter into the shard
             self.grad_shard_data.zero_()
         for b in self.buckets:
             b.ready, b.launched = 0, False
-            if self.shard_grads:
-                self.release(b)
+            self.release(b)
+
+    def close(self) -> None:
+        """Release the parameter-shard store this buffer made (the disk tier removes its file)."""
+        if self.param_store is not None:
+            self.param_store.close()

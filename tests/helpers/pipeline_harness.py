@@ -49,7 +49,7 @@ def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule:
 
 def train(cfg: Config, pstate: ParallelState) -> dict:
     """Five iterations through the real training pieces; returns losses, weights and schedule counts."""
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,

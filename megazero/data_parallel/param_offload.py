@@ -16,19 +16,19 @@ bucket's shard to the device, then all-gathers it:
 
 After the optimizer step the updated shard is written back where it lives
 (``write``: a copy, or a ``pwritev`` on the same single I/O thread, so a later
-read of the region is ordered after the write). The disk store reads and writes
-with ``preadv``/``pwritev``, never ``mmap``, so file pages do not count in RSS.
+read of the region is ordered after the write). The disk store's file is a
+``RankFile`` (``rank_file.py``, shared with the optimizer-state store): ``preadv``/
+``pwritev``, never ``mmap``, so file pages do not count in RSS. Each store is made
+by its buffer (``ParamGradBuffer``, through ``param_shard_factory``) and closed by it.
 """
 from __future__ import annotations
 
-import errno
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from ..run_plan import Placement
-from .offload import OffloadError, close_rank_file
+from .rank_file import OffloadError, RankFile
 
 MAX_WRITES_BEHIND = 2  # updated shards queued for the disk at once
 
@@ -86,45 +86,27 @@ class DiskParamShards:
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, folder: str, rank: int,
                  chunk: int = 0) -> None:
-        self.dtype, self.device, self.folder = dtype, device, folder
+        self.dtype, self.device = dtype, device
         self.writes: list[_Checked] = []  # issued since the last flush
         self.item = torch.empty((), dtype=dtype).element_size()
         self.nbytes = numel * self.item
-        self.dir = os.path.join(folder, f"rank{rank}")
-        self.path = os.path.join(self.dir, f"param_shards{chunk}.bin")  # one per model chunk
+        self.file = RankFile(folder, rank, f"param_shards{chunk}.bin", self.nbytes,  # one per model chunk
+                             what="the parameter shards", verb="need")
         self.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="param-offload-io")  # FIFO: write, then read
-        self.fd = -1
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            if self.nbytes:
-                os.posix_fallocate(self.fd, 0, self.nbytes)
-        except OSError as err:
-            self.close()
-            raise self.error(err, "creating the parameter-shard file") from err
+
+    @property
+    def path(self) -> str:
+        return self.file.path
 
     def error(self, err: OSError, doing: str) -> OffloadError:
-        fix = ("free space there or choose a folder on a larger disk" if err.errno in (errno.ENOSPC, errno.EDQUOT)
-               else "choose a writable folder")
-        return OffloadError(f"--offload-path {self.folder}: {doing} failed ({err.strerror or err}; the parameter "
-                            f"shards need {self.nbytes / 2**20:.1f} MiB per rank); {fix}.")
-
-    def _bytes(self, t: torch.Tensor) -> memoryview:
-        return memoryview(t.view(torch.uint8).numpy()).cast("B")  # bf16 has no numpy dtype; bytes do
+        return self.file.error(err, doing)
 
     def _pread(self, lo: int, out: torch.Tensor) -> torch.Tensor:
-        view, done = self._bytes(out), 0
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], lo * self.item + done)
-            if got == 0:
-                raise OSError(errno.EIO, f"{self.path} is shorter than the parameter shards")
-            done += got
+        self.file.read(lo * self.item, out)
         return out if self.device.type == "cpu" else out.to(self.device, non_blocking=True)
 
     def _pwrite(self, lo: int, src: torch.Tensor) -> None:
-        view, done = self._bytes(src), 0
-        while done < len(view):
-            done += os.pwritev(self.fd, [view[done:]], lo * self.item + done)
+        self.file.write(lo * self.item, src)
 
     def fetch(self, lo: int, n: int) -> "_Checked":
         """Start reading shard elements [lo, lo + n) into a fresh staging tensor; ``result()`` waits."""
@@ -157,9 +139,7 @@ class DiskParamShards:
     def close(self) -> None:
         """Remove this rank's file (and its folder when empty); the user's --offload-path stays."""
         self.io.shutdown(wait=True)
-        if self.fd >= 0:
-            close_rank_file(self.fd, self.path, self.dir)
-            self.fd = -1
+        self.file.close()
 
 
 class _Checked:

@@ -1,5 +1,6 @@
-"""CUDA + an offloaded optimizer (``offload.py``): the grad shards' trip to the host and the updated shards'
-trip back, on side streams (not built on a CPU-only machine, where the step reads the shards in place)."""
+"""CUDA + an offloaded optimizer (``optimizer/offload.py``): the grad shards' trip to the host and the updated
+shards' trip back, on side streams (built by the engine; not on a CPU-only machine, where the step reads the
+shards in place)."""
 from __future__ import annotations
 
 import torch
@@ -98,3 +99,9 @@ def host_empty(numel: int) -> torch.Tensor:
     """fp32 host memory, pinned when a GPU will copy to and from it."""
     t = torch.empty(numel, dtype=torch.float32)
     return t.pin_memory() if torch.cuda.is_available() else t
+
+
+def disk_buffer_width(shard_numels: list[int], buffer_size: int) -> int:
+    """Shard elements per host buffer of the disk tier (``--offload-buffer-size``, or less when every bucket's
+    shard is smaller): the disk store's buffers and the ring its masters go up through."""
+    return min(buffer_size, max(shard_numels, default=0))

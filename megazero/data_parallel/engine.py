@@ -3,12 +3,15 @@
 Per step, for every bucket of every model chunk (``buffers.py``):
 
     backward hooks      p.grad -> p.main_grad (accumulate), p.grad = None
-    bucket complete     (outside ``no_sync``) launch its DP communication, async:
-                          no sharding (ZeRO 0): all-reduce the bucket (pre-divided by dp)
-                          optimizer state sharded (ZeRO 1): reduce-scatter it in place into
-                                  this rank's shard
-                          gradients sharded (ZeRO 2): reduce-scatter it into the persistent
-                                  grad shard, then free the full-size bucket gradient
+    bucket complete     (outside ``no_sync``; ZeRO 3: always) launch its reduction over the
+                        reduction group (``ReductionGroup``: the DP group), async, by the
+                        stage's policy picked once at construction (``reduction.py``):
+                          ZeRO 0: all-reduce the bucket (pre-divided by dp)
+                          ZeRO 1: reduce-scatter it in place into this rank's shard
+                          ZeRO 2: reduce-scatter it into the persistent grad shard, then
+                                  free the full-size bucket gradient
+                          ZeRO 3: reduce-scatter each micro-batch's bucket into a temporary
+                                  shard added to the persistent one, then free the bucket
     finish()            launch what the hooks did not, wait for all; sum replicated grads
                         (SP params over TP, tied embedding over the embedding group) on the
                         reduced shards
@@ -29,7 +32,7 @@ per step, as ZeRO 1, at the price of a full gradient buffer during
 accumulation. With one micro-batch only the buckets in flight are full-size.
 
 ZeRO 3 (``ZeroStage.shards_parameters``) adds ``ParameterUnits``
-(``param_units.py``): the buffers keep only parameter shards between uses, units
+(``zero3.py``): the buffers keep only parameter shards between uses, units
 gather and free them around their forward and backward, and every micro-batch's
 backward reduce-scatters each bucket as it completes (``no_sync`` does not apply)
 into a temporary shard that is added to the persistent grad shard: no full-size
@@ -40,8 +43,8 @@ How offload plugs in (an addition to this engine, not a rewrite): a bucket's
 shard (grad shard, and the step's master weights and moments) is given a
 placement (``RunPlan.placement``); on CUDA the engine starts each reduced grad
 shard's copy to pinned host memory when the bucket retires for the step's last
-micro-batch (``_retire``, ``offload.HostTransfers``), the step runs where the
-state lives, and copies the updated parameter shards back before
+micro-batch (``_retire``, ``host_transfers.HostTransfers``, built here from the
+placement), the step runs where the state lives, and copies the updated parameter shards back before
 ``gather_params``. The collectives and their order do not change, so on a
 CPU-only machine an offloaded run is bitwise the in-memory run (on CUDA the
 host's AdamW kernel rounds differently from the device's).
@@ -56,11 +59,13 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel import collectives as C
+from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
-from ..run_plan import UnitGathering, ZeroStage
+from ..run_plan import Placement, StatePlacement, UnitGathering, ZeroStage
 from .buffers import Bucket, ParamGradBuffer
-from .grads import all_reduce_coalesced
-from .param_units import ParameterUnits, plan_units
+from .host_transfers import HostTransfers, disk_buffer_width
+from .reduction import ReductionGroup, reduction_for
+from .zero3 import ParameterUnits, plan_units
 
 # ZeRO 2/3: at most this many reduce-scatters in flight; launching another first waits for the oldest,
 # so the full-size bucket gradients alive during backward are bounded (in flight + the one filling).
@@ -68,42 +73,64 @@ MAX_INFLIGHT_BUCKETS = 2
 
 
 class GradSyncEngine:
-    """Bucketed buffers of ``modules`` and their DP reduction/gather for ZeRO stage ``zero``."""
+    """Bucketed buffers of ``modules`` and their reduction/gather over ``group`` for ZeRO stage ``stage``.
 
-    def __init__(self, modules: list[nn.Module], pstate: ParallelState, *, zero: ZeroStage,
-                 bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
-                 gathering: UnitGathering | None = None, param_store: Callable | None = None) -> None:
-        self.pstate, self.zero = pstate, zero
-        self.sharded = zero.shards_optimizer_state  # each DP rank reduces into and updates its own shard
-        assert zero.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
+    ``pstate`` gives the device and the replicated-grad groups (TP, embedding); ``group`` is the one
+    group gradients are reduced over. Whatever the engine makes it closes (``close``).
+    """
+
+    def __init__(self, modules: list[nn.Module], pstate: ParallelState, group: ReductionGroup, *,
+                 stage: ZeroStage, bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
+                 gathering: UnitGathering | None = None, param_store: Callable | None = None,
+                 placement: StatePlacement = StatePlacement()) -> None:
+        self.pstate, self.group, self.stage = pstate, group, stage
+        self.reduction = reduction_for(stage, group)
+        assert stage.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
         units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
-        self.buffers: list[ParamGradBuffer] = []
-        for module, chunk_units in zip(modules, units):
-            params = [p for p in module.parameters() if p.requires_grad]
-            dtypes = {p.dtype for p in params}
-            assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
-            unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u.params}
-            self.buffers.append(ParamGradBuffer(
-                params, bucket_size=bucket_size, num_shards=pstate.dp if self.sharded else 1,
-                shard_rank=pstate.dp_rank if self.sharded else 0, param_dtype=dtypes.pop(),
-                grad_dtype=main_grads_dtype, shard_grads=zero.shards_gradients, device=pstate.device,
-                shard_params=zero.shards_parameters, unit_of=unit_of, param_store=param_store))
+        self.buffers = self._build_buffers(modules, units, bucket_size, main_grads_dtype, param_store)
         self._sync = True
         self._drain_queued = False  # ZeRO 3: an end-of-backward callback will retire the reductions
         # (buffer, bucket, work, ZeRO 3's partial shard, reduced for the step's last micro-batch)
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None, bool]] = []
         self._gathers: dict[tuple[int, int], object] = {}
-        self.transfers = None  # CUDA + offloaded optimizer: offload.HostTransfers, set by the optimizer
-        self.overlap_param_gather = (overlap_param_gather and self.sharded and not zero.shards_parameters
-                                     and pstate.dp_group is not None)
+        self.transfers = _host_transfers(self.buffers, pstate.device, placement)
+        self.overlap_param_gather = (overlap_param_gather and self.reduction.gathers_after_step
+                                     and group.group is not None)
         for buf in self.buffers:
             for b in buf.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook(buf, b))
-        self.units = ParameterUnits(modules, self.buffers, units, pstate, gathering) if gathering else None
+        self.units = ParameterUnits(modules, self.buffers, units, group, gathering) if gathering else None
         if self.overlap_param_gather:
             for i, module in enumerate(modules):
                 self._register_gather_waits(i, module)
+
+    def _build_buffers(self, modules: list[nn.Module], units: list, bucket_size: int,
+                       main_grads_dtype: torch.dtype, param_store: Callable | None) -> list[ParamGradBuffer]:
+        """One buffer per model chunk, sharded over the reduction group from ZeRO 1 on."""
+        sharded = self.stage.shards_optimizer_state
+        buffers: list[ParamGradBuffer] = []
+        try:
+            for module, chunk_units in zip(modules, units):
+                params = [p for p in module.parameters() if p.requires_grad]
+                dtypes = {p.dtype for p in params}
+                assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
+                unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u.params}
+                buffers.append(ParamGradBuffer(
+                    params, bucket_size=bucket_size, num_shards=self.group.size if sharded else 1,
+                    shard_rank=self.group.rank if sharded else 0, param_dtype=dtypes.pop(),
+                    grad_dtype=main_grads_dtype, stage=self.stage, device=self.pstate.device,
+                    unit_of=unit_of, param_store=param_store))
+        except BaseException:  # the parameter-shard files of the buffers made so far go now
+            for buf in buffers:
+                buf.close()
+            raise
+        return buffers
+
+    def close(self) -> None:
+        """Release what the buffers made (``--offload-params``: the parameter-shard stores)."""
+        for buf in self.buffers:
+            buf.close()
 
     # -- a step's gradients -------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -143,24 +170,24 @@ class GradSyncEngine:
         return [[buf.grad_shard(b) for b in buf.buckets] for buf in self.buffers]
 
     def agree_over_dp(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> None:
-        """Reduce a step decision (``t``, e.g. an overflow flag) over the DP group."""
-        if self.pstate.dp_group is not None:
-            C.all_reduce(t, self.pstate.dp_group, op=op)
+        """Reduce a step decision (``t``, e.g. an overflow flag) over the reduction group."""
+        if self.group.group is not None:
+            C.all_reduce(t, self.group.group, op=op)
 
     def sum_over_shards(self, t: torch.Tensor) -> None:
-        """Sum a per-shard quantity (e.g. a squared norm) over the DP ranks owning the other shards."""
-        if self.sharded and self.pstate.dp_group is not None:
-            C.all_reduce(t, self.pstate.dp_group)
+        """Sum a per-shard quantity (e.g. a squared norm) over the ranks owning the other shards."""
+        if self.stage.shards_optimizer_state and self.group.group is not None:
+            C.all_reduce(t, self.group.group)
 
     # -- gradient communication -------------------------------------------------------------
     def _grad_hook(self, buf: ParamGradBuffer, b: Bucket) -> Callable[[nn.Parameter], None]:
         def hook(p: nn.Parameter) -> None:
             if p.grad is None:
                 return
-            assert not b.launched or self.zero.shards_parameters, (
+            assert not b.launched or self.reduction.every_micro_batch, (
                 "a gradient reached a bucket already communicated this step; the schedule must run every "
                 "backward but a chunk's last one inside optimizer.no_sync()")
-            assert not (self.zero.shards_parameters and b.ready == 0 and b.grad is not None), (
+            assert not (self.reduction.every_micro_batch and b.ready == 0 and b.grad is not None), (
                 "ZeRO 3: a bucket's reduce-scatter from the last backward is still in flight (_drain retires them)")
             buf.bucket_grad(b)  # ZeRO 2/3: allocate the transient bucket gradient on first use
             p.main_grad.add_(p.grad)
@@ -168,36 +195,22 @@ class GradSyncEngine:
             b.ready += 1
             if b.ready == len(b.params):
                 b.ready = 0
-                if self._sync or self.zero.shards_parameters:  # ZeRO 3 reduces every micro-batch
+                if self._sync or self.reduction.every_micro_batch:  # ZeRO 3 reduces every micro-batch
                     self._launch(buf, b)
-                    if self.zero.shards_parameters and not self._drain_queued:
+                    if self.reduction.every_micro_batch and not self._drain_queued:
                         self._drain_queued = True
                         torch.autograd.Variable._execution_engine.queue_callback(self._drain)
 
         return hook
 
     def _launch(self, buf: ParamGradBuffer, b: Bucket) -> None:
-        """Start bucket ``b``'s DP reduction (averaged: the bucket is pre-divided by dp)."""
-        grad_b, group = buf.bucket_grad(b), self.pstate.dp_group
+        """Start bucket ``b``'s reduction by the stage's policy (averaged: pre-divided by the group size)."""
+        grad_b = buf.bucket_grad(b)
         b.launched = True
-        work, partial = None, None
-        if group is None:
-            if self.zero.shards_parameters:
-                buf.grad_shard(b).add_(grad_b)
-            elif self.zero.shards_gradients:
-                buf.grad_shard(b).copy_(grad_b)
-        else:
-            grad_b.div_(self.pstate.dp)
-            if not self.sharded:
-                work = C.all_reduce(grad_b, group, async_op=True)
-            elif self.zero.shards_parameters:  # this micro-batch's share, added to the shard on retiring
-                partial = torch.empty_like(buf.grad_shard(b))
-                work = C.reduce_scatter_tensor(partial, grad_b, group, async_op=True)
-            else:  # in place when only the optimizer state is sharded (the shard is a view of grad_b)
-                work = C.reduce_scatter_tensor(buf.grad_shard(b), grad_b, group, async_op=True)
+        work, partial = self.reduction.launch(buf.grad_shard(b), grad_b)
         self._inflight.append((buf, b, work, partial, self._sync))
         self._reap(block=False)
-        while self.zero.shards_gradients and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
+        while self.reduction.bounded and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
 
     def _drain(self) -> None:
@@ -220,8 +233,7 @@ class GradSyncEngine:
     def _retire(self, buf: ParamGradBuffer, b: Bucket, work, partial: torch.Tensor | None, final: bool) -> None:
         if work is not None:
             work.wait()
-        if partial is not None:
-            buf.grad_shard(b).add_(partial)
+        self.reduction.retire(buf.grad_shard(b), partial)
         buf.release(b)
         if final and self.transfers is not None:  # the shard is complete: start its copy to the host
             self.transfers.grad_ready(b, buf.grad_shard(b))
@@ -242,9 +254,10 @@ class GradSyncEngine:
 
     # -- parameter all-gather -------------------------------------------------------------
     def gather_params(self) -> None:
-        """Sharded stages: every rank updated its shard; gather the full buckets in forward order."""
-        group = self.pstate.dp_group
-        if not self.sharded or group is None or self.zero.shards_parameters:  # ZeRO 3: the next forward gathers
+        """ZeRO 1/2: every rank updated its shard; gather the full buckets in forward order (ZeRO 3: the
+        next forward gathers)."""
+        group = self.group.group
+        if not self.reduction.gathers_after_step or group is None:
             return
         for i, buf in enumerate(self.buffers):
             for b in reversed(buf.buckets):  # the last bucket holds the first layers
@@ -282,3 +295,15 @@ class GradSyncEngine:
                     work.wait()
 
         return hook
+
+
+def _host_transfers(buffers: list[ParamGradBuffer], device: torch.device,
+                    placement: StatePlacement) -> HostTransfers | None:
+    """CUDA + an offloaded optimizer state: the grad shards' trip down and the parameters' trip up."""
+    where = placement.optimizer_state
+    if device.type != "cuda" or where == Placement.DEVICE:
+        return None
+    buckets = [(buf, b) for buf in buffers for b in buf.buckets]
+    ring = disk_buffer_width([b.shard_numel for _, b in buckets], placement.offload_buffer_size)
+    return HostTransfers(buckets, persistent_master=where == Placement.HOST,
+                         ring_numel=ring if where == Placement.DISK else 0)

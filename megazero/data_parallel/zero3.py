@@ -1,4 +1,4 @@
-"""ZeRO 3: parameters live as 1/dp shards and are gathered one unit at a time.
+"""ZeRO 3 (``--zero 3``): parameters live as 1/dp shards and are gathered one unit at a time.
 
 A unit is a run of ``layers_per_unit`` transformer blocks of a model chunk; the
 chunk's parameters outside blocks (embeddings, final norm, head) form its
@@ -27,9 +27,13 @@ nothing more: the pre-backward gather runs before autograd re-runs a block. A ke
 unit counts the micro-batches whose forward ran and whose backward has not, and is
 freed when none is left, so under pipelining it stays gathered for as long as any
 micro-batch of the step is in flight on this stage.
+
+A unit keeps where it stands as one value (``UnitState``: FREED, GATHERING, GATHERED, as
+FSDP2's ``ShardedState``) and owns its "all my gradients arrived" event (``Unit.grad_arrived``).
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -37,9 +41,9 @@ import torch
 from torch import nn
 
 from ..parallel import collectives as C
-from ..parallel.state import ParallelState
 from ..run_plan import UnitGathering
 from .buffers import Bucket, ParamGradBuffer
+from .reduction import ReductionGroup
 
 
 @dataclass
@@ -72,6 +76,14 @@ def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
     return [u for u in units if u.params]
 
 
+class UnitState(enum.Enum):
+    """Where a unit's parameters stand."""
+
+    FREED = "freed"  # only the shards hold bytes
+    GATHERING = "gathering"  # fetches / all-gathers issued, not yet waited for
+    GATHERED = "gathered"  # the full parameters are readable
+
+
 @dataclass
 class Unit:
     index: int  # forward position within its chunk
@@ -79,21 +91,34 @@ class Unit:
     root: bool
     buckets: list[tuple[ParamGradBuffer, Bucket]]
     keep_until_backward: bool
-    gathered: bool = False
+    state: UnitState = UnitState.FREED
     works: list = field(default_factory=list)  # all-gathers issued, not yet waited for
     fetches: list = field(default_factory=list)  # --offload-params: (buf, bucket, shard fetch) not yet gathered
     sources: list = field(default_factory=list)  # fetched shards the issued all-gathers read from
     pending_backward: int = 0  # micro-batches past this unit's forward, not yet past its backward
     grads_arrived: int = 0  # parameter gradients accumulated in the current backward
 
+    def grad_arrived(self) -> bool:
+        """Count one parameter gradient; True when it completes this unit's backward for the micro-batch."""
+        self.grads_arrived += 1
+        if self.grads_arrived < len(self.params):
+            return False
+        self.grads_arrived = 0
+        self.pending_backward = max(0, self.pending_backward - 1)
+        return True
+
+    def reset(self) -> None:
+        """End of a step: no micro-batch is pending (one whose gradients never arrived included)."""
+        self.pending_backward = self.grads_arrived = 0
+
 
 class ParameterUnits:
     """The gathered/freed state of every unit of this rank's chunks, driven by module and grad hooks."""
 
     def __init__(self, modules: list[nn.Module], buffers: list[ParamGradBuffer],
-                 units: list[list[UnitSpec]], pstate: ParallelState,
+                 units: list[list[UnitSpec]], group: ReductionGroup,
                  gathering: UnitGathering) -> None:
-        self.pstate, self.gathering = pstate, gathering
+        self.group, self.gathering = group.group, gathering
         self.chunks: list[list[Unit]] = []
         for buf, chunk_units in zip(buffers, units):
             bucket_of = {p: b for b in buf.buckets for p in b.params}
@@ -119,13 +144,13 @@ class ParameterUnits:
 
         ``phase`` ("forward", "backward", "checkpoint") is what the ledger counts them under.
         """
-        if not unit.gathered:
-            unit.gathered = True
+        if unit.state == UnitState.FREED:
+            unit.state = UnitState.GATHERING
             deferred = False
             for buf, b in unit.buckets:
                 if buf.param_store is None:
                     unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
-                                                               self.pstate.dp_group, async_op=True, phase=phase))
+                                                               self.group, async_op=True, phase=phase))
                 else:  # offloaded: the shard comes to the device first (disk: a read overlapping compute)
                     unit.fetches.append((buf, b, buf.fetch_param_shard(b)))
                     deferred = deferred or buf.param_store.deferred
@@ -137,18 +162,19 @@ class ParameterUnits:
                 work.wait()
             unit.works.clear()
             unit.sources.clear()
+            unit.state = UnitState.GATHERED
 
     def _gather_fetched(self, unit: Unit, phase: str) -> None:
         """Issue the all-gathers of ``unit``'s fetched shards, each once its fetch has completed."""
         for buf, b, fetch in unit.fetches:
             shard = fetch.result()
             unit.sources.append(shard)
-            unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), shard, self.pstate.dp_group,
+            unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), shard, self.group,
                                                        async_op=True, phase=phase))
         unit.fetches.clear()
 
     def free(self, unit: Unit) -> None:
-        if unit.gathered:
+        if unit.state != UnitState.FREED:
             for _, _, fetch in unit.fetches:  # prefetched, never used: the read completes, no all-gather
                 fetch.result()
             unit.fetches.clear()
@@ -158,7 +184,7 @@ class ParameterUnits:
             unit.sources.clear()
             for buf, b in unit.buckets:
                 buf.free_params(b)
-            unit.gathered = False
+            unit.state = UnitState.FREED
 
     def gather_all(self) -> None:
         """Every unit gathered (checkpoint save, reading weights outside a step); ``free_all`` undoes it."""
@@ -181,7 +207,7 @@ class ParameterUnits:
     def free_all(self) -> None:
         """End of a step: nothing stays gathered (a unit whose gradients never arrived included)."""
         for unit in self.units:
-            unit.pending_backward = unit.grads_arrived = 0
+            unit.reset()
             self.free(unit)
 
     def _prefetch(self, chunk: list[Unit], indices: range, phase: str) -> None:
@@ -222,12 +248,7 @@ class ParameterUnits:
 
     def _grad_hook(self, unit: Unit):
         def hook(p: nn.Parameter) -> None:
-            unit.grads_arrived += 1
-            if unit.grads_arrived < len(unit.params):
-                return
-            unit.grads_arrived = 0  # the unit's backward for this micro-batch is complete
-            unit.pending_backward = max(0, unit.pending_backward - 1)
-            if not unit.keep_until_backward or unit.pending_backward == 0:
+            if unit.grad_arrived() and (not unit.keep_until_backward or unit.pending_backward == 0):
                 self.free(unit)
 
         return hook

@@ -54,7 +54,7 @@ class StepStateMeter:
 
     def __init__(self, opt: DistributedOptimizer) -> None:
         self.opt = opt
-        self.optimizer = sum(_storages(t for s in opt.states for t in s.tensors()).values())
+        self.optimizer = sum(_storages(opt.store.tensors()).values())
         self.peak = {"total": 0, "params": 0, "grads": 0}
         self.peak_params = self.peak_grads = 0
         self._copies: dict[int, int] = {}
@@ -122,7 +122,7 @@ class StepStateMeter:
 def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[str, Any]:
     """Run ``steps`` real training steps (model, ZeRO optimizer, schedule); this rank's peak bytes."""
     torch.manual_seed(cfg.training.seed)
-    plan = RunPlan.resolve(cfg, pstate.layout)
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     opt = build_optimizer(cfg, plan, chunks, pstate)
     schedule = build_schedule(plan)

@@ -1,14 +1,18 @@
 """A serial model + ZeRO-0 optimizer that can save a checkpoint without torch.distributed.
 
-Used in-process by the error tests and as a subprocess by the crash test:
-`python -m tests.checkpoint.serial_ckpt ROOT ITERATION [--hang-mid-write]`.
+``build``, ``save`` and ``load`` are used in-process by the error tests, and the module as a
+subprocess by the crash test:
+`python -m tests.helpers.serial_ckpt ROOT ITERATION [--hang-mid-write]`.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import torch
 
+from megazero.checkpoint import load as ckpt_load
+from megazero.checkpoint import storage
 from megazero.checkpoint.save import save_checkpoint
 from megazero.config import Config
 from megazero.model.gpt import GPTModel
@@ -31,7 +35,19 @@ def build(arch: str = "gpt2", hidden: int = 32):
 def save(root: str, iteration: int) -> str:
     cfg, pstate, chunks, optimizer = build()
     return save_checkpoint(root, iteration=iteration, consumed_samples=8 * iteration, cfg=cfg,
-                           plan=RunPlan.resolve(cfg, pstate.layout), pstate=pstate, chunks=chunks, optimizer=optimizer)
+                           plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate, chunks=chunks,
+                           optimizer=optimizer)
+
+
+def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
+    """Load the checkpoint under ``root`` into a fresh serial model and optimizer, as a resume does."""
+    cfg, pstate, chunks, optimizer = build(arch, hidden)
+    folder = storage.resolve(root)
+    meta = storage.read_metadata(folder)
+    cfg = dataclasses.replace(cfg, explicit=frozenset(cfg.to_flat()))  # as if every setting were a flag
+    ckpt_load.merge_config(meta, cfg)
+    ckpt_load.load_model_weights(folder, meta, chunks, pstate)
+    ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
 
 
 def _hang_mid_write() -> None:

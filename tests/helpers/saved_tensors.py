@@ -1,4 +1,4 @@
-"""Measure what autograd keeps for backward, to check the planner against reality.
+"""Measure what autograd keeps for backward, to check the planner's activation figures against reality.
 
 ``SavedTensorMeter`` is a ``torch.autograd.graph.saved_tensors_hooks`` context
 that records every tensor saved during a forward, deduplicated by storage
@@ -11,7 +11,6 @@ the meter counts exactly what recomputation keeps.
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Iterable
 
 import torch
@@ -46,19 +45,3 @@ class SavedTensorMeter:
     @property
     def bytes(self) -> int:
         return sum(n for n, _ in self.storages.values())
-
-    def by_dtype(self) -> dict[str, int]:
-        out: dict[str, int] = defaultdict(int)
-        for n, dtype in self.storages.values():
-            out[str(dtype).removeprefix("torch.")] += n
-        return dict(out)
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    """Bytes of distinct storages among ``tensors`` (None skipped)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        if t is not None and t.numel() > 0:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())
-    return sum(seen.values())

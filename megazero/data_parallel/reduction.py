@@ -1,0 +1,116 @@
+"""The reduction group and the per-stage reduction policy, both decided once when the engine is built.
+
+``ReductionGroup`` is the group gradients are averaged over and shards are cut across: today the
+data-parallel group (``ReductionGroup.of``); context parallelism makes it dp x cp there, in one place.
+
+A ``Reduction`` is what a ``ZeroStage`` does with a completed bucket's gradient (``launch``) and when
+it finishes (``retire``); the engine calls the policy it picked at construction instead of testing
+the stage in its hooks:
+
+    ZeRO 0  AllReduce                 all-reduce the bucket (pre-divided by the group size)
+    ZeRO 1  ReduceScatterInPlace      reduce-scatter into this rank's shard, a view of the bucket
+    ZeRO 2  ReduceScatterRelease      reduce-scatter into the persistent grad shard, then free the
+                                      full-size bucket gradient (a bounded number in flight)
+    ZeRO 3  ReduceScatterIntoShard    every micro-batch: reduce-scatter into a temporary shard that
+                                      is added to the persistent one, then free the bucket gradient
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from ..run_plan import ZeroStage
+
+
+@dataclass(frozen=True)
+class ReductionGroup:
+    """The ranks that average gradients and split shards (``group`` None: this rank alone)."""
+
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, pstate: ParallelState) -> "ReductionGroup":
+        """The run's reduction group: the data-parallel group (context parallelism will add cp here)."""
+        return cls(pstate.dp_group, pstate.dp, pstate.dp_rank)
+
+
+class AllReduce:
+    """ZeRO 0: every rank ends with the whole averaged bucket."""
+
+    every_micro_batch = False  # reduce only on the step's last micro-batch (no_sync before)
+    bounded = False  # full-size gradients persist anyway: no limit on reductions in flight
+    gathers_after_step = False  # every rank updated every parameter
+
+    def __init__(self, group: ReductionGroup) -> None:
+        self.group = group
+
+    def launch(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        """Start the reduction of bucket gradient ``grad_b`` [numel]; returns (work, partial shard)."""
+        if self.group.group is None:
+            self.alone(shard, grad_b)
+            return None, None
+        grad_b.div_(self.group.size)
+        return self.issue(shard, grad_b)
+
+    def alone(self, shard: torch.Tensor, grad_b: torch.Tensor) -> None:
+        """A group of one: the bucket is its own average (the shard is a view of it)."""
+
+    def issue(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        return C.all_reduce(grad_b, self.group.group, async_op=True), None
+
+    @staticmethod
+    def retire(shard: torch.Tensor, partial: torch.Tensor | None) -> None:
+        """The reduction has completed: fold in what it wrote beside the shard (ZeRO 3)."""
+
+
+class ReduceScatterInPlace(AllReduce):
+    """ZeRO 1: this rank's shard, a view of the bucket gradient, receives the reduced slice."""
+
+    gathers_after_step = True  # each rank updated its shard: all-gather the parameters
+
+    def issue(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        return C.reduce_scatter_tensor(shard, grad_b, self.group.group, async_op=True), None
+
+
+class ReduceScatterRelease(ReduceScatterInPlace):
+    """ZeRO 2: the shard is persistent storage of its own; the bucket gradient is freed on retiring."""
+
+    bounded = True
+
+    def alone(self, shard: torch.Tensor, grad_b: torch.Tensor) -> None:
+        shard.copy_(grad_b)
+
+
+class ReduceScatterIntoShard(ReduceScatterRelease):
+    """ZeRO 3: each micro-batch's share is reduce-scattered apart and added to the shard on retiring."""
+
+    every_micro_batch = True
+    gathers_after_step = False  # the next forward gathers
+
+    def alone(self, shard: torch.Tensor, grad_b: torch.Tensor) -> None:
+        shard.add_(grad_b)
+
+    def issue(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        partial = torch.empty_like(shard)
+        return C.reduce_scatter_tensor(partial, grad_b, self.group.group, async_op=True), partial
+
+    @staticmethod
+    def retire(shard: torch.Tensor, partial: torch.Tensor | None) -> None:
+        if partial is not None:
+            shard.add_(partial)
+
+
+POLICIES: dict[ZeroStage, type[AllReduce]] = {
+    ZeroStage.NONE: AllReduce, ZeroStage.OPTIMIZER_STATE: ReduceScatterInPlace,
+    ZeroStage.GRADIENTS: ReduceScatterRelease, ZeroStage.PARAMETERS: ReduceScatterIntoShard}
+
+
+def reduction_for(stage: ZeroStage, group: ReductionGroup) -> AllReduce:
+    """The one policy a run's engine uses for every bucket of every step."""
+    return POLICIES[stage](group)

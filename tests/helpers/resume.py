@@ -1,0 +1,76 @@
+"""Train a segment of a run, from scratch or resumed from a checkpoint, saving at its end.
+
+Shared by the ZeRO-3 checkpoint tests and the offload tests (a resumed run must continue the
+uninterrupted one). Real pieces throughout: build functions, ZeRO optimizer, schedule, ``Trainer``,
+the checkpoint's save and load functions.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megazero.checkpoint import storage
+from megazero.checkpoint.load import load_model_weights, load_optimizer_state
+from megazero.checkpoint.save import save_checkpoint
+from megazero.config import Config
+from megazero.optimizer.zero import build_distributed_optimizer
+from megazero.parallel.state import ParallelState
+from megazero.pipeline.schedules import build_schedule
+from megazero.run_plan import RunPlan
+from megazero.training.metrics import MetricsLog
+from megazero.training.run import build_model_chunks
+from megazero.training.trainer import Trainer
+from tests.helpers.compare import full_params
+from tests.helpers.optimizer_harness import SyntheticBatches, make_cfg
+
+ITERS, SAVED_AT = 4, 2
+EVAL = dict(eval_interval=SAVED_AT, eval_iters=1)  # evaluation under every stage, compared as well
+
+
+def cfg_for(**kw: Any) -> Config:
+    return make_cfg(**{"iters": ITERS, **EVAL, **kw})
+
+
+class Batches(SyntheticBatches):
+    """The synthetic batches from step ``step`` on (a resumed run continues the data where it stopped)."""
+
+    def __init__(self, cfg: Config, pstate: ParallelState, step: int) -> None:
+        super().__init__(cfg, pstate.dp_rank, pstate.dp)
+        self.step, self.consumed_samples = step, step * cfg.training.global_batch_size
+
+
+def segment(pstate: ParallelState, cfg: Config, *, load: str | None = None, save: str | None = None) -> dict:
+    """Train to ``cfg``'s last iteration, from scratch or from ``load``, saving at the end into ``save``.
+
+    Loading follows pretrain_gpt.py: weights into the full-size parameters before the optimizer
+    exists (ZeRO 3 shards them when it is built), optimizer state after it. Returns the iteration
+    records, the evaluation records and the final full weights (gathered over TP and, at zero 3, DP).
+    """
+    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
+    chunks = build_model_chunks(cfg, plan, pstate)
+    start = 0
+    if load is not None:
+        folder = storage.resolve(load)
+        meta = storage.read_metadata(folder)
+        load_model_weights(folder, meta, chunks, pstate)
+    optimizer = build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
+    if load is not None:
+        load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+        start = int(meta["iteration"])
+    batches = Batches(cfg, pstate, start)
+
+    def saver(iteration: int) -> None:
+        save_checkpoint(save, iteration=iteration, consumed_samples=batches.consumed_samples, cfg=cfg, plan=plan,
+                        pstate=pstate, chunks=chunks, optimizer=optimizer)
+
+    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(plan), batches, MetricsLog(None, enabled=False),
+                      start_iteration=start, eval_batches=lambda: Batches(cfg, pstate, 100),
+                      save=saver if save else None)
+    records = trainer.train()
+    params: dict[str, torch.Tensor] = {}
+    with optimizer.full_parameters():
+        for chunk in chunks:
+            params.update(full_params(chunk, pstate.tp_group))
+    return {"records": [r for r in records if "event" not in r], "evals": [r for r in records if "event" in r],
+            "params": params}

@@ -98,6 +98,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(grad_cv.t(), h_ch)
             else:
                 grad_w.add_(torch.mm(grad_cv.t(), h_ch))
+            del grad_cv  # before the next chunk's logits are allocated: one chunk buffer at a time
         grad_x = grad_h.view_as(total)
         if sequence_parallel:
             grad_x = reduce_scatter_first_dim(grad_x, group).wait()

@@ -293,6 +293,9 @@ class TrainingConfig:
                          choices=("none", "selective", "full"))
     recompute_num_layers: int | None = opt(None, "With --recompute full: recompute only the first N blocks of "
                                            "each model chunk; None = all of them.", at_least=0)
+    cross_entropy_chunk_size: int = opt(0, "Compute the output head and the loss fused, this many tokens at a time, "
+                                        "so the fp32 logits are never held whole; 0 = the plain head then loss.",
+                                        at_least=0)
 
     def __post_init__(self) -> None:
         require(self.recompute in ("none", "selective", "full"),

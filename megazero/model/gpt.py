@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..tensor_parallel.comm import scatter_to_sequence_parallel_region
 from ..tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from ..tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
                                       set_spec, spec_of)
 from ..tensor_parallel.random import EMBEDDING
@@ -51,13 +52,16 @@ class GPTModel(nn.Module):
 
     ``padded_vocab``: rows of the embedding and head over all TP ranks (the run plan's
     ``padded_vocab_size``); None pads ``cfg``'s vocabulary for this TP degree (a model built alone).
+    ``ce_chunk_size``: > 0 computes the head and loss fused, that many tokens at a time, so the
+    fp32 logits are never held whole (--cross-entropy-chunk-size); 0 = the head, then the loss.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, *, padded_vocab: int | None = None,
-                 layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True) -> None:
+                 layer_ids: range | None = None, pre_process: bool = True, post_process: bool = True,
+                 ce_chunk_size: int = 0) -> None:
         super().__init__()
         assert cfg.vocab_size is not None, "set cfg.vocab_size from the tokenizer first"
-        self.cfg, self.ctx = cfg, ctx
+        self.cfg, self.ctx, self.ce_chunk_size = cfg, ctx, ce_chunk_size
         self.pre_process, self.post_process = pre_process, post_process
         self.padded_vocab = cfg.padded_vocab_size(ctx.tp) if padded_vocab is None else padded_vocab
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
@@ -91,7 +95,12 @@ class GPTModel(nn.Module):
             x = layer(x)
         if not self.post_process:
             return x
-        logits = self.logits_local(self.final_norm(x))
+        x = self.final_norm(x)
+        if labels is not None and self.ce_chunk_size > 0:
+            return fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
+                                              vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
+                                              sequence_parallel=self.ctx.sequence_parallel)
+        logits = self.logits_local(x)
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()

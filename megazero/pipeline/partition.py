@@ -65,7 +65,8 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
         with torch.device("meta"):  # shapes only: no default initialiser runs, nothing is allocated
             model = GPTModel(cfg.model, ctx, padded_vocab=plan.padded_vocab_size, layer_ids=layer_ids,
                              pre_process=pstate.is_first_stage and c == 0,
-                             post_process=pstate.is_last_stage and c == vp - 1)
+                             post_process=pstate.is_last_stage and c == vp - 1,
+                             ce_chunk_size=cfg.training.cross_entropy_chunk_size)
         if model.pre_process and pstate.pp > 1 and cfg.model.tied_embeddings:
             spec_of(model.embedding.word.weight).tied_role = "embedding"
         materialize(model, pstate.device, plan.compute_dtype)

@@ -1,0 +1,33 @@
+"""Peak bytes a piece of CPU code allocates above what was live when it started.
+
+The profiler records every allocation and free of PyTorch's CPU allocator
+(``profile_memory=True``); its memory timeline replays them in time order, and
+the highest total is the code's peak. Unlike a saved-tensor count this sees
+transients too: a forward's scratch buffers and the gradients a backward creates.
+The timeline export is deprecated in favour of a CUDA-only snapshot, hence the
+silenced warning: on CPU it is what there is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from typing import Callable
+
+from torch.profiler import ProfilerActivity, profile
+
+
+def peak_allocated_bytes(fn: Callable[[], object]) -> int:
+    """Run ``fn`` once under the profiler; the highest CPU bytes live at once that it allocated."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        path = os.path.join(tmp, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path) as f:
+            _times, sizes = json.load(f)  # sizes: per time, bytes by category (parameter, activation, ...)
+    assert sizes, "the profiler recorded no CPU allocation"
+    return max(sum(per_category) for per_category in sizes)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, train_records
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
@@ -15,12 +15,7 @@ ARCH_FLAGS = {"gpt2": ["--arch", "gpt2"], "llama": ["--arch", "llama", "--num-qu
 
 
 def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
-    metrics = tmp_path / f"{name}.jsonl"
-    results = launch("pretrain_gpt.py", [*SMALL, *extra, "--metrics-file", str(metrics)], nproc)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    records = [r for r in records if "event" not in r]
+    records = train_records(tmp_path / f"{name}.jsonl", [*SMALL, *extra], nproc)
     assert [r["iteration"] for r in records] == list(range(1, 11))
     for r in records:
         assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= r.keys()

@@ -21,41 +21,55 @@ from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
 
 
+def padded_columns(rows: int, start: int, vocab_size: int | None) -> int:
+    """How many of this rank's ``rows`` vocabulary columns (from ``start``) lie past the real vocabulary."""
+    return 0 if vocab_size is None else min(rows, max(0, start + rows - vocab_size))
+
+
+def softmax_and_loss(logits: torch.Tensor, target: torch.Tensor, group, start: int, padding: int,
+                     out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The three TP reductions: per-token loss [*], softmax [*, V/tp] (fp32, written into ``out``),
+    and the target's local column with the mask of targets another rank holds."""
+    rows = logits.shape[-1]
+    distributed = group_size(group) > 1
+    if padding < rows:  # padded columns are the last ones (of the last ranks): never the max
+        # amax, not max(dim): max also computes indices and is ~20x slower on CPU
+        logits_max = logits[..., : rows - padding].amax(dim=-1).float()
+    else:
+        logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
+    if distributed:
+        C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+    softmax = torch.sub(logits, logits_max.unsqueeze(-1), out=out)
+
+    local_target = target - start
+    outside = (local_target < 0) | (local_target >= rows)
+    local_target = local_target.masked_fill(outside, 0)
+    target_logit = softmax.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+
+    softmax.exp_()
+    if padding:
+        softmax[..., rows - padding:] = 0.0  # exp(-inf): padding never enters the sum
+    sum_exp = softmax.sum(dim=-1)
+    if distributed:
+        both = torch.stack([target_logit, sum_exp])
+        C.all_reduce(both, group)
+        target_logit, sum_exp = both[0], both[1]
+
+    loss = sum_exp.log() - target_logit
+    softmax.div_(sum_exp.unsqueeze(-1))
+    return loss, softmax, local_target, outside
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, vocab_size):
         rows = logits.shape[-1]
         start = group_rank(group) * rows
-        distributed = group_size(group) > 1
         # One vocabulary-sized allocation: it holds logits - max, then exp, then the softmax
         # saved for backward (fresh large buffers page-fault on every call on CPU).
-        padding = 0 if vocab_size is None else min(rows, max(0, start + rows - vocab_size))
-        if padding < rows:  # padded columns are the last ones (of the last ranks): never the max
-            # amax, not max(dim): max also computes indices and is ~20x slower on CPU
-            logits_max = logits[..., : rows - padding].amax(dim=-1).float()
-        else:
-            logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
-        if distributed:
-            C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
-        softmax = torch.sub(logits, logits_max.unsqueeze(-1), out=torch.empty(logits.shape, dtype=torch.float32,
-                                                                               device=logits.device))
-
-        local_target = target - start
-        outside = (local_target < 0) | (local_target >= rows)
-        local_target = local_target.masked_fill(outside, 0)
-        target_logit = softmax.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-
-        softmax.exp_()
-        if padding:
-            softmax[..., rows - padding:] = 0.0  # exp(-inf): padding never enters the sum
-        sum_exp = softmax.sum(dim=-1)
-        if distributed:
-            both = torch.stack([target_logit, sum_exp])
-            C.all_reduce(both, group)
-            target_logit, sum_exp = both[0], both[1]
-
-        loss = sum_exp.log() - target_logit
-        softmax.div_(sum_exp.unsqueeze(-1))
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        loss, softmax, local_target, outside = softmax_and_loss(
+            logits, target, group, start, padded_columns(rows, start, vocab_size), out)
         ctx.save_for_backward(softmax, local_target, outside)
         return loss
 

@@ -26,46 +26,21 @@ then scaled, so fp16 loss scaling does not underflow them.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from ..parallel import collectives as C
 from ..parallel.state import group_rank, group_size
 from .comm import all_gather_first_dim, all_reduce_in_place, reduce_scatter_first_dim
+from .cross_entropy import padded_columns, softmax_and_loss
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, group, start: int,
                          padding: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss [c] (fp32) and d(sum loss)/d(logits) [c, V/tp] (fp32) of one chunk of local logits.
-
-    The same steps as ``cross_entropy._VocabParallelCrossEntropy`` (max, sum-exp and target
-    logit reduced over ``group``; padded columns never count), on one chunk.
-    """
-    rows = logits.shape[-1]
-    distributed = group_size(group) > 1
-    if padding < rows:  # padded columns are the last ones: never the max
-        logits_max = logits[:, : rows - padding].amax(dim=-1).float()
-    else:
-        logits_max = torch.full(logits.shape[:-1], float("-inf"), device=logits.device)
-    if distributed:
-        C.all_reduce(logits_max, group, op=dist.ReduceOp.MAX)
+    """Per-token loss [c] (fp32) and d(sum loss)/d(logits) [c, V/tp] (fp32) of one chunk of local logits,
+    by ``cross_entropy.softmax_and_loss`` (max, sum-exp and target logit reduced over ``group``)."""
     # fp32 logits become the softmax in place (the chunk's logits are not needed after this)
     out = logits if logits.dtype == torch.float32 else torch.empty(logits.shape, dtype=torch.float32,
                                                                      device=logits.device)
-    softmax = torch.sub(logits, logits_max.unsqueeze(-1), out=out)
-    local_target = target - start
-    outside = (local_target < 0) | (local_target >= rows)
-    local_target = local_target.masked_fill(outside, 0)
-    target_logit = softmax.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-    softmax.exp_()
-    if padding:
-        softmax[:, rows - padding:] = 0.0
-    sum_exp = softmax.sum(dim=-1)
-    if distributed:
-        both = torch.stack([target_logit, sum_exp])
-        C.all_reduce(both, group)
-        target_logit, sum_exp = both[0], both[1]
-    loss = sum_exp.log() - target_logit
-    grad = softmax.div_(sum_exp.unsqueeze(-1))  # softmax, then minus one-hot where the target is ours
+    loss, grad, local_target, outside = softmax_and_loss(logits, target, group, start, padding, out)
+    # softmax, then minus one-hot where the target is ours
     grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
     return loss, grad
 
@@ -81,7 +56,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         assert h_th.shape[0] == target_t.shape[0], f"{h_th.shape[0]} tokens of input, {target_t.shape[0]} labels"
         rows = weight.shape[0]
         start = group_rank(group) * rows
-        padding = 0 if vocab_size is None else min(rows, max(0, start + rows - vocab_size))
+        padding = padded_columns(rows, start, vocab_size)
         grad_h = torch.empty_like(h_th)
         exact = weight.dtype == torch.float32
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)

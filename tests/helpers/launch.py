@@ -48,3 +48,14 @@ def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
             if p.poll() is None:
                 p.kill()
     return results
+
+
+def train_records(metrics, args: list[str], nproc: int) -> list[dict]:
+    """Run pretrain_gpt.py on ``nproc`` ranks writing ``metrics`` (a path); every rank must exit 0.
+    Returns the per-iteration records of the metrics file (start-up events left out)."""
+    import json
+
+    results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"{metrics} rank {rank} failed:\n{r.stderr[-3000:]}"
+    return [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]

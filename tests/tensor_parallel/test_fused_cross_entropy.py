@@ -25,7 +25,7 @@ from megazero.tensor_parallel.fused_cross_entropy import fused_linear_cross_entr
 from megazero.tensor_parallel.layers import column_parallel_linear
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
-from tests.helpers.launch import launch
+from tests.helpers.launch import train_records
 from tests.helpers.peak_memory import peak_allocated_bytes
 from tests.helpers.saved_tensors import SavedTensorMeter
 
@@ -159,12 +159,7 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 
 
 def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
-    metrics = tmp_path / f"{name}.jsonl"
-    results = launch("pretrain_gpt.py", [*SMALL, *extra, "--metrics-file", str(metrics)], nproc)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["loss"] for r in records if "event" not in r]
+    return [r["loss"] for r in train_records(tmp_path / f"{name}.jsonl", [*SMALL, *extra], nproc)]
 
 
 def test_pretrain_losses_unchanged_by_the_flag(tmp_path):

@@ -37,7 +37,8 @@ def holder_note() -> dict[str, Any]:
     """Who this process is, for the lock file: what a refused job needs to find the holder."""
     note: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(),
                             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    note.update({var: os.environ[var] for var, _ in JOB_VARS if os.environ.get(var)})
+    note.update({var: os.environ[var] for var, _ in JOB_VARS
+                 if os.environ.get(var, "none") != "none"})  # torchrun's static rendezvous says "none"
     return note
 
 

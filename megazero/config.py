@@ -50,6 +50,14 @@ class ParallelConfig:
                                          at_least=1)
     pipeline_model_parallel_size: int = opt(1, "Pipeline-parallel degree (number of stages).", "--pp",
                                            at_least=1)
+    context_parallel_size: int = opt(1, "Context-parallel degree: each sample's sequence is split over this many "
+                                     "ranks (S/cp tokens each; attention exchanges K/V among them).", "--cp",
+                                     at_least=1)
+    cp_comm_type: str = opt("p2p", "Context-parallel attention: p2p (ring exchange of K/V, load-balanced split), "
+                            "a2a (all-to-all from sequence to head shards, Ulysses) or a2a+p2p (all-to-all inside "
+                            "groups of --cp-a2a-size ranks, ring across them).", choices=("p2p", "a2a", "a2a+p2p"))
+    cp_a2a_size: int | None = opt(None, "--cp-comm-type a2a+p2p: ranks per all-to-all group (divides --cp; "
+                                  "consecutive ranks, so inside a node).", at_least=1)
     zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients, "
                     "3 also shard parameters (gathered one unit at a time).", choices=(0, 1, 2, 3))
     zero3_unit_layers: int = opt(1, "ZeRO 3: transformer blocks per gathered unit (embeddings, final norm and head "
@@ -110,6 +118,12 @@ class ParallelConfig:
                                                       f"per-rank state files).")
         require(self.offload_path is None or disk,
                  "--offload-path only applies with --offload-optimizer or --offload-params disk; add one or drop it.")
+        require(self.cp_a2a_size is None or self.cp_comm_type == "a2a+p2p",
+                "--cp-a2a-size only applies with --cp-comm-type a2a+p2p; add it or drop --cp-a2a-size.")
+        require(self.cp_comm_type != "a2a+p2p" or (self.cp_a2a_size is not None and self.cp % self.cp_a2a_size == 0
+                                                   and 1 < self.cp_a2a_size < self.cp),
+                f"--cp-comm-type a2a+p2p needs --cp-a2a-size U with 1 < U < --cp ({self.cp}) and U dividing --cp "
+                f"(got {self.cp_a2a_size}); use --cp-comm-type p2p or a2a for the pure forms.")
         require(self.offload_buffers >= 2, f"--offload-buffers must be >= 2 (one bucket is read ahead while one "
                                            f"is updated), got {self.offload_buffers}.")
 
@@ -120,6 +134,19 @@ class ParallelConfig:
     @property
     def pp(self) -> int:
         return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def cp_a2a(self) -> int:
+        """U: ranks per all-to-all group (1 = ring only, cp = all-to-all only)."""
+        if self.cp_comm_type == "p2p":
+            return 1
+        if self.cp_comm_type == "a2a":
+            return self.cp
+        return self.cp_a2a_size or 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -339,6 +366,9 @@ class CheckpointConfig:
     load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
                                  "tp/pp/dp/zero layout loads into any other of the same model.")
     keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.", at_least=1)
+    async_save: bool = opt(False, "Save in the background: the step only copies this rank's shard to host memory "
+                           "(pinned on CUDA); a thread writes the files, and the checkpoint is published once every "
+                           "rank's write is done (the next save and the end of training wait for it).")
 
     def __post_init__(self) -> None:
         check_bounds(self)

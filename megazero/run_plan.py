@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .config import Config, ParallelConfig, Placement, require  # noqa: F401 (Placement: re-exported)
+from .context_parallel.split import CPSplit
 from .parallel.layout import Layout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -79,25 +80,29 @@ class RunPlan:
     micro_batches: int  # per step on each DP rank: global / (micro x dp)
     seq_length: int
     sequence_parallel: bool  # as given; it changes nothing at tp = 1
-    stage_shape: tuple[int, int, int]  # [s, b, h] between pipeline stages ([s/tp, b, h] under SP)
+    stage_shape: tuple[int, int, int]  # [s/cp, b, h] between pipeline stages ([s/(cp tp), b, h] under SP)
     compute_dtype: torch.dtype
     main_grads_dtype: torch.dtype
     vocab_size: int | None  # None until the tokenizer (or --vocab-size, or a checkpoint) says
     padded_vocab_size: int | None  # a multiple of --make-vocab-size-divisible-by x tp
     placement: StatePlacement = field(default_factory=StatePlacement)
     gathering: UnitGathering | None = None  # ZeRO 3 only
+    cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring), a2a (Ulysses) or a2a+p2p
+    cp_split: CPSplit = CPSplit()  # which tokens of a sample each CP rank holds
 
     @classmethod
     def resolve(cls, cfg: Config, world_size: int) -> "RunPlan":
         """Lay ``world_size`` ranks out for ``cfg``, validate and derive the plan; raises ConfigError naming
         the flag. The planner passes the world of a layout it only considers (tp x pp x dp)."""
-        layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp)
+        layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
         _check_tensor_parallel(cfg)
+        cp_split = _check_context_parallel(cfg)
         micro_batches = _micro_batches(cfg, layout.dp)
         vp, schedule = _pipeline(cfg, layout.dp, micro_batches)
         t, m = cfg.training, cfg.model
         compute = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
-        seq = m.seq_length // layout.tp if cfg.parallel.sequence_parallel else m.seq_length
+        seq = m.seq_length // layout.cp
+        seq = seq // layout.tp if cfg.parallel.sequence_parallel else seq
         schedule = schedule if layout.pp > 1 else "no-pipelining"
         return cls(layout=layout, virtual_stages=vp, zero=ZeroStage(cfg.parallel.zero), schedule=schedule,
                    micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
@@ -107,7 +112,8 @@ class RunPlan:
                    main_grads_dtype=DTYPES[t.main_grads_dtype] if compute != torch.float32 else torch.float32,
                    vocab_size=m.vocab_size,
                    padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp),
-                   placement=_placement(cfg), gathering=_gathering(cfg))
+                   placement=_placement(cfg), gathering=_gathering(cfg),
+                   cp_comm_type=cfg.parallel.cp_comm_type, cp_split=cp_split)
 
     @property
     def tp(self) -> int:
@@ -122,6 +128,10 @@ class RunPlan:
         return self.layout.dp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def world_size(self) -> int:
         return self.layout.world_size
 
@@ -132,7 +142,8 @@ class RunPlan:
 
 def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, Any]:
     """The one schema of a recorded layout (a converter writes it for a layout it never runs)."""
-    return {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero), "virtual_stages": virtual_stages}
+    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero),
+            "virtual_stages": virtual_stages}
 
 
 def _placement(cfg: Config) -> StatePlacement:
@@ -218,5 +229,31 @@ def _check_tensor_parallel(cfg: Config) -> None:
                         ("--num-query-groups", m.query_groups), ("--ffn-hidden-size", m.ffn_size)):
         require(value % tp == 0, f"{what} ({value}) must be divisible by --tensor-model-parallel-size "
                                   f"({tp}); choose a --tp that divides it.")
-    require(not cfg.parallel.sequence_parallel or m.seq_length % tp == 0,
-             f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp}) with --sequence-parallel.")
+    cp = cfg.parallel.cp
+    require(not cfg.parallel.sequence_parallel or m.seq_length % (tp * cp) == 0,
+             f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp})"
+             f"{f' x --cp ({cp})' if cp > 1 else ''} with --sequence-parallel.")
+
+
+def _check_context_parallel(cfg: Config) -> CPSplit:
+    """The sequence and the heads must split as the CP attention variant needs; returns the token split."""
+    p, m = cfg.parallel, cfg.model
+    split = CPSplit(cp=p.cp, a2a=p.cp_a2a)
+    if p.cp == 1:
+        return split
+    split.check(m.seq_length)
+    heads, groups = m.num_attention_heads // p.tp, m.query_groups // p.tp
+    if p.cp_a2a > 1:
+        require(heads % p.cp_a2a == 0,
+                f"--cp-comm-type {p.cp_comm_type} splits each TP rank's {heads} attention heads (--num-attention-"
+                f"heads {m.num_attention_heads} / --tp {p.tp}) over {p.cp_a2a} ranks, which does not divide them; "
+                f"use --cp-comm-type p2p, a smaller {'--cp' if p.cp_comm_type == 'a2a' else '--cp-a2a-size'}, "
+                f"or a head count divisible by it.")
+        require(groups % p.cp_a2a == 0 or p.cp_a2a % groups == 0,
+                f"--cp-comm-type {p.cp_comm_type}: each TP rank's {groups} key/value heads (--num-query-groups "
+                f"{m.query_groups} / --tp {p.tp}) neither divide among nor replicate evenly over {p.cp_a2a} ranks; "
+                f"use --cp-comm-type p2p or a --num-query-groups that divides or is divided by it.")
+    require(m.attention_dropout == 0.0,
+            f"--attention-dropout ({m.attention_dropout}) is not supported with --cp {p.cp}: each rank sees only "
+            f"blocks of the attention matrix; set --attention-dropout 0 (Megatron's default for long context).")
+    return split

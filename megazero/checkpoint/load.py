@@ -239,16 +239,17 @@ def starts_fresh(load: str | None, save: str | None) -> bool:
     return not holds_checkpoint(load)
 
 
-# What a rank's RNG file depends on: which rank holds which (tp, pp, dp) coordinates and which layers'
+# What a rank's RNG file depends on: which rank holds which (tp, cp, pp, dp) coordinates and which layers'
 # dropout streams (virtual stages), and how many micro-batches a step draws (dp). Not the ZeRO
-# stage or offload: they move optimizer state, not random draws.
-STREAM_KEYS = ("tp", "pp", "dp", "virtual_stages")
+# stage or offload: they move optimizer state, not random draws. (Checkpoints from before context
+# parallelism have no "cp": they were cp 1.)
+STREAM_KEYS = ("tp", "cp", "pp", "dp", "virtual_stages")
 
 
 def same_streams(meta: dict[str, Any], plan: RunPlan) -> bool:
     """Whether each rank's saved RNG file holds this run's generators (then the run resumes them exactly)."""
     saved, now = meta["layout"], plan.layout_record()
-    return all(saved.get(key) == now[key] for key in STREAM_KEYS)
+    return all(saved.get(key, 1 if key == "cp" else None) == now[key] for key in STREAM_KEYS)
 
 
 def has_rng(meta: dict[str, Any]) -> bool:

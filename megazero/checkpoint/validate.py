@@ -135,6 +135,8 @@ def check(meta: Any, path: str) -> None:
         layout = _get(meta, "layout", dict, "'layout'")
         for key in ("tp", "pp", "dp", "virtual_stages"):
             _int(_get(layout, key, int, f"'layout.{key}'"), f"'layout.{key}'", low=1)
+        if "cp" in layout:  # absent before context parallelism (cp 1)
+            _int(_get(layout, "cp", int, "'layout.cp'"), "'layout.cp'", low=1)
         _int(_get(layout, "zero", int, "'layout.zero'"), "'layout.zero'", 0, 3)
         if "rng_files" in meta:
             _get(meta, "rng_files", bool, "'rng_files'")

@@ -1,7 +1,7 @@
 """The reduction group and the per-stage reduction policy, both decided once when the engine is built.
 
-``ReductionGroup`` is the group gradients are averaged over and shards are cut across: today the
-data-parallel group (``ReductionGroup.of``); context parallelism makes it dp x cp there, in one place.
+``ReductionGroup`` is the group gradients are averaged over and shards are cut across: the
+data-parallel group times the context-parallel group (``ReductionGroup.of``), decided in one place.
 
 A ``Reduction`` is what a ``ZeroStage`` does with a completed bucket's gradient (``launch``) and when
 it finishes (``retire``); the engine calls the policy it picked at construction instead of testing
@@ -36,8 +36,8 @@ class ReductionGroup:
 
     @classmethod
     def of(cls, pstate: ParallelState) -> "ReductionGroup":
-        """The run's reduction group: the data-parallel group (context parallelism will add cp here)."""
-        return cls(pstate.dp_group, pstate.dp, pstate.dp_rank)
+        """The run's reduction group: dp x cp (CP ranks hold the same weights; at cp 1 the DP group)."""
+        return cls(pstate.dp_cp_group, pstate.dp_cp, pstate.dp_cp_rank)
 
 
 class AllReduce:

@@ -38,7 +38,9 @@ class Embedding(nn.Module):
 
     def forward(self, ids_bs: torch.Tensor) -> torch.Tensor:
         x = self.word(ids_bs)
-        if self.position is not None:
+        if self.position is not None and self.ctx.cp.active:  # this rank's tokens sit at scattered positions
+            x = x + self.position.weight[self.ctx.positions(ids_bs.shape[1], ids_bs.device)].unsqueeze(1)
+        elif self.position is not None:
             x = x + self.position.weight[: ids_bs.shape[1]].unsqueeze(1)
         if self.ctx.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.ctx.group)
@@ -85,11 +87,19 @@ class GPTModel(nn.Module):
         return self.embedding.word.weight if self.cfg.tied_embeddings else self.output.weight
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """inputs: token ids [b, s] on the first stage, else hidden states [s, b, h].
+        """inputs: token ids [b, s] on the first stage, else hidden states [s/cp, b, h].
 
         Returns hidden states on non-last stages, the mean token loss when ``labels`` [b, s]
-        are given on the last stage, and vocab-sharded logits [s, b, V/tp] otherwise.
+        are given on the last stage, and vocab-sharded logits [s/cp, b, V/tp] otherwise. Token ids
+        and labels are whole samples; under context parallelism each rank keeps its own tokens here
+        (the loss is then the mean over this rank's tokens: equal counts, so the mean over the CP
+        group is the sample mean).
         """
+        cp = self.ctx.cp
+        if cp.active and self.pre_process:
+            inputs = cp.split.take(inputs, 1, cp.rank)
+        if cp.active and labels is not None:
+            labels = cp.split.take(labels, 1, cp.rank)
         x = self.embedding(inputs) if self.pre_process else inputs
         for layer in self.layers.values():
             x = layer(x)

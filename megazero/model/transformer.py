@@ -21,6 +21,7 @@ from einops import rearrange
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel import CPContext
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
@@ -28,11 +29,17 @@ from ..tensor_parallel.random import DropoutRNG, stream_name
 
 @dataclass
 class TPContext:
-    """What a block needs to know about tensor parallelism."""
+    """What a block needs to know about tensor (and context) parallelism."""
 
     group: object = None  # the TP process group; None for TP=1
     sequence_parallel: bool = False
     rng: DropoutRNG | None = None  # None: dropout draws from the default generator
+    cp: CPContext = CPContext()  # the sequence split over ranks; inactive at cp 1
+
+    def positions(self, local_tokens: int, device: torch.device | str) -> torch.Tensor:
+        """Global positions of this rank's ``local_tokens`` tokens of a sample (all of them at cp 1)."""
+        split = self.cp.split
+        return split.positions(local_tokens * split.cp, self.cp.rank).to(device)
 
     @property
     def tp(self) -> int:
@@ -51,9 +58,16 @@ class TPContext:
 
 
 def hidden_dropout(x: torch.Tensor, p: float, ctx: TPContext, layer: int | str) -> torch.Tensor:
-    """Dropout on block/embedding outputs: SP shards differ across TP ranks, replicated activations match."""
+    """Dropout on block/embedding outputs: SP shards differ across TP ranks, replicated activations match.
+
+    Under context parallelism the mask is drawn for the whole sequence and each rank keeps its tokens'
+    rows, so a token's mask depends on its global position, not on --cp.
+    """
     with ctx.fork_rng(layer, tensor_parallel=ctx.sequence_parallel):
-        return F.dropout(x, p)
+        if not ctx.cp.active:
+            return F.dropout(x, p)
+        whole = F.dropout(x.new_ones((x.shape[0] * ctx.cp.size, *x.shape[1:])), p)
+        return x * ctx.cp.split.take(whole, 0, ctx.cp.rank)
 
 
 def make_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
@@ -87,10 +101,10 @@ def rotary_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tenso
     return torch.where(wavelen < original / high, inv_freq, long_scaled)
 
 
-def rotary_cos_sin(seq_len: int, cfg: ModelConfig, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [s, d] for rotate-half RoPE (the layout HF Llama uses)."""
-    inv_freq = rotary_inv_freq(cfg, device)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [s, d] for rotate-half RoPE (the layout HF Llama uses) at global ``positions`` [s]."""
+    inv_freq = rotary_inv_freq(cfg, positions.device)
+    angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -116,6 +130,9 @@ class Attention(nn.Module):
 
     def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the layer's per-TP-rank stream (heads are split)."""
+        if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
+            from ..context_parallel.attention import cp_attention  # TODO top-level once attention.py lands
+            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.fork_rng(self.layer_id, tensor_parallel=True):
             return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
@@ -127,7 +144,7 @@ class Attention(nn.Module):
         q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
         k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
         if self.cfg.arch == "llama":
-            cos, sin = rotary_cos_sin(q_bnsd.shape[2], self.cfg, x.device)
+            cos, sin = rotary_cos_sin(self.ctx.positions(q_bnsd.shape[2], x.device), self.cfg)
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
         out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))

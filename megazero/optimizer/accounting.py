@@ -71,7 +71,7 @@ def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: Pa
         "event": "memory", "rank": pstate.rank, **measured_state_bytes(opt),
         "num_parameters": counted_parameters(chunks, pstate),
         "local_parameters": sum(p.numel() for b in opt.buffers for p in b.params),
-        "layout": {"tp": pstate.tp, "pp": pstate.pp, "dp": pstate.dp, "zero": int(opt.zero),
+        "layout": {"tp": pstate.tp, "cp": pstate.cp, "pp": pstate.pp, "dp": pstate.dp, "zero": int(opt.zero),
                    "param_dtype": str(buf.param_dtype).replace("torch.", ""),
                    "main_grads_dtype": str(buf.grad_dtype).replace("torch.", ""),
                    "buckets": sum(len(b.buckets) for b in opt.buffers)},

@@ -1,11 +1,13 @@
-"""Pure rank arithmetic of a tp x dp x pp grid (no torch.distributed needed).
+"""Pure rank arithmetic of a tp x cp x dp x pp grid (no torch.distributed needed).
 
-Ranks vary fastest along tp, then dp, then pp:
+Ranks vary fastest along tp, then cp, then dp, then pp (Megatron's tp-cp-dp-pp order):
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-so a TP group is a run of consecutive ranks (one node), and the DP groups of
-one pipeline stage sit next to each other.
+so a TP group is a run of consecutive ranks (one node), a CP group the next
+tightest (its K/V exchange is per layer), and the DP groups of one pipeline
+stage sit next to each other. CP ranks hold the same weights, so gradients are
+averaged, and ZeRO shards cut, over the dp x cp group.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Coords:
     tp: int
     dp: int
     pp: int
+    cp: int = 0
 
 
 @dataclass(frozen=True)
@@ -26,48 +29,82 @@ class Layout:
     tp: int
     dp: int
     pp: int
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        assert min(self.tp, self.dp, self.pp) >= 1, self
+        assert min(self.tp, self.dp, self.pp, self.cp) >= 1, self
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int, pp: int) -> "Layout":
-        """Derive dp = world / (tp * pp); a world that does not factor is a clear error."""
-        if tp > world_size or pp > world_size or world_size % (tp * pp) != 0:
-            raise ConfigError(
-                f"world size {world_size} is not divisible by --tp {tp} x --pp {pp} = {tp * pp}; "
-                f"launch a multiple of {tp * pp} processes or change --tp/--pp.")
-        return cls(tp=tp, dp=world_size // (tp * pp), pp=pp)
+    def from_world(cls, world_size: int, tp: int, pp: int, cp: int = 1) -> "Layout":
+        """Derive dp = world / (tp * cp * pp); a world that does not factor is a clear error."""
+        fixed = tp * cp * pp
+        if fixed > world_size or world_size % fixed != 0:
+            named = f"--tp {tp} x --cp {cp} x --pp {pp}" if cp > 1 else f"--tp {tp} x --pp {pp}"
+            change = "--tp/--cp/--pp" if cp > 1 else "--tp/--pp"
+            raise ConfigError(f"world size {world_size} is not divisible by {named} = {fixed}; "
+                              f"launch a multiple of {fixed} processes or change {change}.")
+        return cls(tp=tp, dp=world_size // fixed, pp=pp, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.dp * self.pp
+        return self.tp * self.cp * self.dp * self.pp
 
-    def rank(self, tp: int, dp: int, pp: int) -> int:
-        return tp + self.tp * (dp + self.dp * pp)
+    def rank(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> Coords:
-        return Coords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp, pp=rank // (self.tp * self.dp))
+        rest, tp = divmod(rank, self.tp)
+        rest, cp = divmod(rest, self.cp)
+        pp, dp = divmod(rest, self.dp)
+        return Coords(tp=tp, dp=dp, pp=pp, cp=cp)
+
+    def _all(self) -> list[Coords]:
+        return [self.coords(r) for r in range(self.world_size)]
+
+    def _groups(self, varying: tuple[str, ...]) -> list[list[int]]:
+        """Ranks that share every coordinate but ``varying``, one list per group, in rank order."""
+        groups: dict[tuple, list[int]] = {}
+        for rank, c in enumerate(self._all()):
+            key = tuple(getattr(c, axis) for axis in ("tp", "cp", "dp", "pp") if axis not in varying)
+            groups.setdefault(key, []).append(rank)
+        return list(groups.values())
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return self._groups(("tp",))
+
+    def cp_groups(self) -> list[list[int]]:
+        return self._groups(("cp",))
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return self._groups(("dp",))
+
+    def dp_cp_groups(self) -> list[list[int]]:
+        """The ranks holding the same weights: gradients average, and ZeRO shards split, over them."""
+        return self._groups(("cp", "dp"))
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank(t, d, p) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return self._groups(("pp",))
 
     def model_parallel_groups(self) -> list[list[int]]:
         """tp x pp ranks holding one full model replica (grad-norm and loss-scale agreement)."""
-        return [[self.rank(t, d, p) for p in range(self.pp) for t in range(self.tp)] for d in range(self.dp)]
+        return self._groups(("tp", "pp"))
+
+    def cp_subgroups(self, a2a: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Inside each CP group: all-to-all groups of ``a2a`` consecutive CP ranks, and the rings through them
+        (the CP ranks with the same index in their all-to-all group)."""
+        a2a_groups, rings = [], []
+        for group in self.cp_groups():
+            a2a_groups += [group[i:i + a2a] for i in range(0, len(group), a2a)]
+            rings += [group[u::a2a] for u in range(a2a)]
+        return a2a_groups, rings
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last stage of each pipeline (tied input/output embeddings)."""
         return [sorted({g[0], g[-1]}) for g in self.pp_groups()]
 
     def __str__(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} (world {self.world_size})"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} (world {self.world_size})"
 
 
 # -- nodes: where the grid's groups land ------------------------------------------------------------
@@ -118,7 +155,7 @@ def _stage_nodes(layout: Layout, node_of_rank: list[int]) -> str:
     """Which nodes hold each pipeline stage; the first two and the last when there are many stages."""
     spans = []
     for p in range(layout.pp):
-        nodes = {node_of_rank[layout.rank(t, d, p)] for t in range(layout.tp) for d in range(layout.dp)}
+        nodes = {node_of_rank[r] for r, c in enumerate(layout._all()) if c.pp == p}
         spans.append(f"{p} on node{'s' if len(nodes) > 1 else ''} {_span(min(nodes), max(nodes))}")
     shown = spans if len(spans) <= 4 else [*spans[:2], "...", spans[-1]]
     return "pp stage " + ", ".join(shown)
@@ -140,5 +177,6 @@ def describe_nodes(layout: Layout, node_of_rank: list[int]) -> str:
         where = f"{len(nodes)} nodes of {'/'.join(map(str, per_node))} ranks"
         where += "" if node_of_rank == sorted(node_of_rank) else ", ranks not numbered node by node"
     parts = [where] + [_node_span(name, groups, node_of_rank) for name, groups in
-                       (("tp", layout.tp_groups()), ("dp", layout.dp_groups()), ("pp", layout.pp_groups()))]
+                       (("tp", layout.tp_groups()), ("cp", layout.cp_groups() if layout.cp > 1 else []),
+                        ("dp", layout.dp_groups()), ("pp", layout.pp_groups())) if groups]
     return "; ".join(parts + [_stage_nodes(layout, node_of_rank)])

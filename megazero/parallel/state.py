@@ -40,6 +40,10 @@ class ParallelState:
     device: torch.device
     tp_group: Group = None
     dp_group: Group = None
+    cp_group: Group = None
+    dp_cp_group: Group = None  # the ranks with the same weights: gradient averaging and ZeRO shards
+    cp_a2a_group: Group = None  # CP all-to-all group (--cp-comm-type a2a / a2a+p2p)
+    cp_ring_group: Group = None  # CP ring (p2p / a2a+p2p)
     pp_group: Group = None
     model_parallel_group: Group = None
     embedding_group: Group = None
@@ -54,18 +58,23 @@ class ParallelState:
 
     @classmethod
     def build(cls, layout: Layout, device: str | torch.device,
-              timeout: timedelta | None = None) -> "ParallelState":
+              timeout: timedelta | None = None, cp_a2a: int = 1) -> "ParallelState":
         """Create every group of the grid. All ranks call ``new_group`` for all groups, in one order.
 
         ``timeout`` bounds every collective on these groups (new groups do not inherit the world's).
+        ``cp_a2a``: ranks per CP all-to-all group (1: ring only; ``layout.cp``: all-to-all only).
         """
         assert dist.is_initialized(), "init_distributed() first"
         assert dist.get_world_size() == layout.world_size, (dist.get_world_size(), layout)
         rank = dist.get_rank()
         mine: dict[str, Group] = {}
+        a2a_groups, rings = layout.cp_subgroups(cp_a2a)
         for name, groups in (("tp", layout.tp_groups()), ("dp", layout.dp_groups()),
                              ("pp", layout.pp_groups()), ("mp", layout.model_parallel_groups()),
-                             ("emb", layout.embedding_groups())):
+                             ("emb", layout.embedding_groups()), ("cp", layout.cp_groups()),
+                             ("dp_cp", layout.dp_cp_groups() if layout.cp > 1 else []),
+                             ("cp_a2a", a2a_groups if 1 < cp_a2a < layout.cp else []),
+                             ("cp_ring", rings if 1 < cp_a2a < layout.cp else [])):
             mine[name] = None
             for ranks in groups:
                 if len(ranks) == 1:
@@ -74,11 +83,19 @@ class ParallelState:
                 if rank in ranks:
                     mine[name] = handle
         mine["world"] = dist.group.WORLD if layout.world_size > 1 else None
+        if layout.cp == 1:
+            mine["dp_cp"] = mine["dp"]
+        if not 1 < cp_a2a < layout.cp:  # a pure form: the one CP group does both jobs (or neither)
+            mine["cp_a2a"], mine["cp_ring"] = (mine["cp"], None) if cp_a2a > 1 else (None, mine["cp"])
         ledger = CommLedger()
-        for name, handle in mine.items():
-            ledger.name_group(handle, name)
+        named: list[Group] = []
+        for name, handle in mine.items():  # a group doing two jobs keeps its first name (dp_cp at cp 1 is "dp")
+            if not any(handle is other for other in named):
+                ledger.name_group(handle, name)
+                named.append(handle)
         return cls(layout=layout, rank=rank, coords=layout.coords(rank), device=torch.device(device),
-                   tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"],
+                   tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"], cp_group=mine["cp"],
+                   dp_cp_group=mine["dp_cp"], cp_a2a_group=mine["cp_a2a"], cp_ring_group=mine["cp_ring"],
                    model_parallel_group=mine["mp"], embedding_group=mine["emb"], world_group=mine["world"],
                    ledger=ledger)
 
@@ -95,6 +112,15 @@ class ParallelState:
     def pp_rank(self) -> int:
         return self.coords.pp
 
+    @property
+    def cp_rank(self) -> int:
+        return self.coords.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's index in the dp x cp group (its ZeRO shard)."""
+        return self.coords.cp + self.cp * self.coords.dp
+
     # -- the degrees: one spelling, as in Layout, RunPlan and the config (``tp``, ``dp``, ``pp``) --------
     @property
     def tp(self) -> int:
@@ -109,6 +135,14 @@ class ParallelState:
         return self.layout.pp
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.layout.dp * self.layout.cp
+
+    @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
@@ -118,12 +152,12 @@ class ParallelState:
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of the given pipeline stage in this rank's pipeline."""
-        return self.layout.rank(self.tp_rank, self.dp_rank, pp_rank)
+        return self.layout.rank(self.tp_rank, self.dp_rank, pp_rank, self.cp_rank)
 
     @property
     def is_logging_rank(self) -> bool:
-        """The rank that knows the loss and prints: last stage, first TP and DP rank."""
-        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0
+        """The rank that knows the loss and prints: last stage, first TP, CP and DP rank."""
+        return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
 
 
 def default_device(choice: str = "auto") -> torch.device:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..config import Config, ConfigError
+from ..context_parallel import CPContext
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.state import ParallelState
@@ -42,6 +43,12 @@ def dropout_rng(cfg: Config, pstate: ParallelState) -> DropoutRNG:
     return DropoutRNG(cfg.training.seed, pstate.tp_rank, pstate.device)
 
 
+def cp_context(plan: RunPlan, pstate: ParallelState) -> CPContext:
+    """This rank's place in its context-parallel group, for the attention core and the token split."""
+    return CPContext(group=pstate.cp_group, rank=pstate.cp_rank, comm_type=plan.cp_comm_type, split=plan.cp_split,
+                     a2a_group=pstate.cp_a2a_group, ring_group=pstate.cp_ring_group)
+
+
 def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
                  rng: DropoutRNG | None = None) -> list[nn.Module]:
     """This rank's ``plan.virtual_stages`` model chunks, initialised as slices of the seeded full model.
@@ -58,7 +65,8 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     """
     vp = plan.virtual_stages
     rng = dropout_rng(cfg, pstate) if rng is None else rng
-    ctx = TPContext(group=pstate.tp_group, sequence_parallel=plan.sequence_parallel, rng=rng)
+    ctx = TPContext(group=pstate.tp_group, sequence_parallel=plan.sequence_parallel, rng=rng,
+                    cp=cp_context(plan, pstate))
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []
     for c, layer_ids in enumerate(ranges):

@@ -20,11 +20,15 @@ from ..pipeline.p2p import StageLink
 
 
 def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
-    """Mean of the last stage's micro-batch losses, averaged over DP and known on every rank."""
+    """Mean of the last stage's micro-batch losses, averaged over DP and CP and known on every rank.
+
+    A CP rank's loss is the mean over its S/cp tokens of each sample; the counts are equal, so the
+    mean over the dp x cp group is the global token mean.
+    """
     loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=pstate.device)
-    if losses and pstate.dp_group is not None:
-        C.all_reduce(loss, pstate.dp_group)
-        loss /= pstate.dp
+    if losses and pstate.dp_cp_group is not None:
+        C.all_reduce(loss, pstate.dp_cp_group)
+        loss /= pstate.dp_cp
     if pstate.pp_group is not None:  # only the last stage computed it
         C.broadcast(loss, pstate.stage_rank(pstate.pp - 1), pstate.pp_group)
     return float(loss)

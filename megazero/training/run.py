@@ -165,7 +165,7 @@ def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Calla
     say(f"megazero: building process groups for {plan.layout} on {device}")
     if cuda_env and device.type == "cuda":
         say("megazero: set " + ", ".join(f"{k}={v}" for k, v in cuda_env.items()) + " (see device_setup.py)")
-    pstate = ParallelState.build(plan.layout, device, timeout)
+    pstate = ParallelState.build(plan.layout, device, timeout, cp_a2a=plan.cp_split.a2a)
     nodes = gather_nodes(pstate)  # torchrun's node numbers: the same list, so the same verdict, on every rank
     check_tp_inside_nodes(plan.layout, nodes, cfg.parallel.allow_tp_across_nodes)
     if pstate.layout.world_size > 1:

@@ -1,0 +1,71 @@
+"""Context-parallel training runs for parity tests: tiny configs, other layouts built inside one world.
+
+A run trains with the real build functions, optimizer, schedule and ``Trainer``
+(``optimizer_harness.train``); the parent compares every iteration's loss and
+grad norm and the final weights with the same config trained in one process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
+                             TrainingConfig)
+from megazero.parallel.layout import Layout
+from megazero.parallel.state import ParallelState
+from tests.helpers.optimizer_harness import train
+
+VOCAB = 512
+ADAM_EPS = 1e-4  # see pipeline_harness: keeps noise-only updates (the key bias) far below lr
+
+
+def make_cfg(arch: str = "gpt2", *, tp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
+             comm: str = "p2p", a2a: int | None = None, schedule: str | None = None, vp: int | None = None,
+             recompute: str = "none", layers: int = 2, seq: int = 32, mbs: int = 2, gbs: int = 4,
+             iters: int = 20, dropout: float = 0.0) -> Config:
+    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
+    return Config(
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                pipeline_model_parallel_size=pp, zero=zero, sequence_parallel=sp,
+                                cp_comm_type=comm, cp_a2a_size=a2a, pipeline_schedule=schedule,
+                                virtual_pipeline_size=vp),
+        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=seq, vocab_size=VOCAB,
+                          hidden_dropout=dropout, **heads),
+        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, seed=7,
+                                device="cpu", recompute=recompute),
+        logging=LoggingConfig(log_interval=1))
+
+
+@dataclass
+class CPRun:
+    key: str
+    cfg: Config
+    dp: int = 1  # the layout is (tp, dp, pp, cp) from the config and this
+
+
+def run_many(pstate: ParallelState, runs: list[CPRun]) -> dict[str, dict[str, Any]]:
+    """Every rank trains every run in order, building (collectively) the groups of each new layout."""
+    states: dict[tuple, ParallelState] = {}
+    out = {}
+    for run in runs:
+        p = run.cfg.parallel
+        key = (p.tp, run.dp, p.pp, p.cp, p.cp_a2a)
+        if key not in states:
+            states[key] = ParallelState.build(Layout(p.tp, run.dp, p.pp, p.cp), "cpu", cp_a2a=p.cp_a2a)
+        pstate_run = states[key]
+        result = train(pstate_run, run.cfg)
+        out[run.key] = {"records": [{k: r[k] for k in ("loss", "grad_norm")} for r in result["records"]],
+                        "params": result["params"]}
+    return out
+
+
+def serial_config(cfg: Config) -> Config:
+    """The same training on one rank."""
+    return replace(cfg, parallel=ParallelConfig())
+
+
+def serial_reference(cfg: Config) -> dict[str, Any]:
+    result = train(ParallelState.serial(), serial_config(cfg))
+    return {"records": [{k: r[k] for k in ("loss", "grad_norm")} for r in result["records"]],
+            "params": result["params"]}

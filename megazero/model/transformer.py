@@ -22,6 +22,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..context_parallel import CPContext
+from ..context_parallel.attention import cp_attention
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
@@ -131,7 +132,6 @@ class Attention(nn.Module):
     def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the layer's per-TP-rank stream (heads are split)."""
         if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
-            from ..context_parallel.attention import cp_attention  # TODO top-level once attention.py lands
             return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         with self.ctx.fork_rng(self.layer_id, tensor_parallel=True):

@@ -16,6 +16,7 @@ standard accounting (N ranks in the group, B bytes of the full tensor):
     reduce_scatter     (N-1)/N * B      (B = the full input)
     all_gather         (N-1)/N * B      (B = the full output)
     broadcast          B on the source rank (counted as (N-1)/N * B per rank, ring-pipelined)
+    all_to_all         (N-1)/N * B      (B = the input; the block a rank keeps is not sent)
     send               B
 
 keyed by (kind, axis); ZeRO 3's parameter gathers are kinds of their own
@@ -196,6 +197,16 @@ def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False):
     n = dist.get_world_size(group)
     return _issue("broadcast", group, (n - 1) / n * _nbytes(t),
                   lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op, t.device)
+
+
+def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
+    """Block i of ``t`` (equal splits along dim 0) goes to group rank i; ``out`` gets block j from rank j."""
+    if group is None:
+        _copy(out, t)
+        return _nothing(async_op)
+    n = dist.get_world_size(group)
+    return _issue("all_to_all", group, (n - 1) / n * _nbytes(t),
+                  lambda: dist.all_to_all_single(out, t, group=group, async_op=async_op), async_op, t.device)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp], group: Group) -> list:

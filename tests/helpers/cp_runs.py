@@ -16,24 +16,27 @@ from megazero.parallel.state import ParallelState
 from tests.helpers.optimizer_harness import train
 
 VOCAB = 512
+RECORD_KEYS = ("loss", "grad_norm", "skipped", "step_time_ms", "tflops_per_device")
 ADAM_EPS = 1e-4  # see pipeline_harness: keeps noise-only updates (the key bias) far below lr
 
 
 def make_cfg(arch: str = "gpt2", *, tp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
              comm: str = "p2p", a2a: int | None = None, schedule: str | None = None, vp: int | None = None,
              recompute: str = "none", layers: int = 2, seq: int = 32, mbs: int = 2, gbs: int = 4,
-             iters: int = 20, dropout: float = 0.0) -> Config:
+             iters: int = 20, dropout: float = 0.0, parallel: dict | None = None,
+             training: dict | None = None) -> Config:
+    """A tiny model; ``parallel`` / ``training``: more ParallelConfig / TrainingConfig fields."""
     heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
     return Config(
         parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
                                 pipeline_model_parallel_size=pp, zero=zero, sequence_parallel=sp,
                                 cp_comm_type=comm, cp_a2a_size=a2a, pipeline_schedule=schedule,
-                                virtual_pipeline_size=vp),
+                                virtual_pipeline_size=vp, **(parallel or {})),
         model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=seq, vocab_size=VOCAB,
                           hidden_dropout=dropout, **heads),
         optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1),
         training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, seed=7,
-                                device="cpu", recompute=recompute),
+                                device="cpu", recompute=recompute, **(training or {})),
         logging=LoggingConfig(log_interval=1))
 
 
@@ -53,19 +56,24 @@ def run_many(pstate: ParallelState, runs: list[CPRun]) -> dict[str, dict[str, An
         key = (p.tp, run.dp, p.pp, p.cp, p.cp_a2a)
         if key not in states:
             states[key] = ParallelState.build(Layout(p.tp, run.dp, p.pp, p.cp), "cpu", cp_a2a=p.cp_a2a)
-        pstate_run = states[key]
-        result = train(pstate_run, run.cfg)
-        out[run.key] = {"records": [{k: r[k] for k in ("loss", "grad_norm")} for r in result["records"]],
-                        "params": result["params"]}
+        seen: list[int] = []  # tokens per sample each block saw: S/cp (S/(cp tp) under SP)
+
+        def count_tokens(chunks, optimizer, pstate) -> None:
+            for chunk in chunks:
+                for block in chunk.layers.values():
+                    block.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+
+        result = train(states[key], run.cfg, hook=count_tokens)
+        out[run.key] = {"records": [{k: r[k] for k in RECORD_KEYS} for r in result["records"]],
+                        "params": result["params"], "block_tokens": sorted(set(seen))}
     return out
 
 
 def serial_config(cfg: Config) -> Config:
-    """The same training on one rank."""
+    """The same training on one rank: no parallelism, ZeRO 0, nothing offloaded."""
     return replace(cfg, parallel=ParallelConfig())
 
 
 def serial_reference(cfg: Config) -> dict[str, Any]:
     result = train(ParallelState.serial(), serial_config(cfg))
-    return {"records": [{k: r[k] for k in ("loss", "grad_norm")} for r in result["records"]],
-            "params": result["params"]}
+    return {"records": [{k: r[k] for k in RECORD_KEYS} for r in result["records"]], "params": result["params"]}

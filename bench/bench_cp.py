@@ -1,0 +1,83 @@
+"""Context parallelism on this machine: a long sequence at cp 1 and cp 2 through pretrain_gpt.py.
+
+    python bench/bench_cp.py [--seq 8192] [--iters 6] [--out bench/RESULTS_cp.md]
+
+One process per rank, one thread each (OMP_NUM_THREADS=1), the built-in corpus, a small gpt2
+(2 layers, hidden 256, 4 heads of 64) at ``--seq`` tokens per sample, one sample per step, so
+attention dominates the step. Rows: one rank; cp 2 with the ring (p2p); cp 2 with all-to-all
+(a2a). Per row: the median step time over iterations 2.. (the first warms up), the speed-up
+over one rank, and the time each rank spent blocked on the CP exchange (``--log-timers``: the
+``cp`` axis of the comm-wait figures) as a share of the step. Per-rank balance of the attention
+work and the contiguous-split baseline: ``bench/bench_cp_attention.py``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ROWS = (("1 rank", 1, []), ("cp 2, p2p ring", 2, ["--cp", "2"]),
+        ("cp 2, a2a (Ulysses)", 2, ["--cp", "2", "--cp-comm-type", "a2a"]))
+
+
+def model_flags(seq: int, iters: int) -> list[str]:
+    return ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+            "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "1",
+            "--train-iters", str(iters), "--log-interval", "1", "--lr", "1e-4", "--log-timers"]
+
+
+def run_row(nproc: int, flags: list[str], seq: int, iters: int) -> list[dict]:
+    """The metrics records of one launch (every rank's comm waits come from rank 0's record)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = os.path.join(tmp, "m.jsonl")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+               "0", "pretrain_gpt.py", *model_flags(seq, iters), *flags, "--metrics-file", metrics]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]
+
+
+def summarise(records: list[dict]) -> dict:
+    steps = records[1:]
+    step = statistics.median(r["step_time_ms"] for r in steps)
+    cp_wait = statistics.median(1000 * r.get("comm_wait_s", {}).get("cp", 0.0) for r in steps)
+    return {"step_ms": step, "cp_wait_ms": cp_wait, "loss": records[-1]["loss"]}
+
+
+def table(results: dict[str, dict], seq: int) -> str:
+    base = results[ROWS[0][0]]["step_ms"]
+    lines = [f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 1 thread per rank, "
+             f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+             f"{time.strftime('%Y-%m-%d')}", "",
+             "| layout | step ms (median) | speed-up vs 1 rank | blocked on CP exchange (rank 0) |",
+             "|---|---|---|---|"]
+    for name, r in results.items():
+        share = f"{r['cp_wait_ms']:.0f} ms ({r['cp_wait_ms'] / r['step_ms']:.1%} of the step)" if "cp" in name else "-"
+        lines.append(f"| {name} | {r['step_ms']:.0f} | {base / r['step_ms']:.2f}x | {share} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--out", default=None, help="append the table to this file")
+    args = parser.parse_args()
+    results = {name: summarise(run_row(nproc, flags, args.seq, args.iters)) for name, nproc, flags in ROWS}
+    text = table(results, args.seq)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -21,7 +21,7 @@ DRY_RUN_FLAGS = [
     ("--dry-run", {"action": "store_true", "help": "Print the per-rank memory plan of this configuration and exit "
                    "without building anything (see tools/plan_memory.py)."}),
     ("--dp", {"type": int, "default": None, "help": "With --dry-run: data-parallel size to plan for "
-              "(default: WORLD_SIZE / (tp x pp))."}),
+              "(default: WORLD_SIZE / (tp x cp x pp))."}),
 ]
 
 
@@ -31,10 +31,10 @@ def _lost_peer(err: RuntimeError) -> bool:
 
 
 def _check_dry_run_flags(ns) -> None:
-    """--dp only plans a layout; a run's data-parallel size is WORLD_SIZE / (tp x pp)."""
+    """--dp only plans a layout; a run's data-parallel size is WORLD_SIZE / (tp x cp x pp)."""
     if ns.dp is not None and not ns.dry_run:
         raise ValueError(f"--dp {ns.dp} only applies with --dry-run (a run's data-parallel size is WORLD_SIZE / "
-                         f"(tp x pp), set by torchrun --nproc_per_node/--nnodes); drop --dp or add --dry-run.")
+                         f"(tp x cp x pp), set by torchrun --nproc_per_node/--nnodes); drop --dp or add --dry-run.")
     if ns.dp is not None and ns.dp < 1:
         raise ValueError(f"--dp must be >= 1, got {ns.dp}; pass the data-parallel size to plan for.")
 

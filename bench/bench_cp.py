@@ -1,6 +1,7 @@
 """Context parallelism on this machine: a long sequence at cp 1 and cp 2 through pretrain_gpt.py.
 
     python bench/bench_cp.py [--seq 8192] [--iters 6] [--out bench/RESULTS_cp.md]
+    python bench/bench_cp.py --memory [--seq 16384]     # peak RSS per rank: one rank against cp 4
 
 One process per rank, one thread each (OMP_NUM_THREADS=1), the built-in corpus, a small gpt2
 (2 layers, hidden 256, 4 heads of 64) at ``--seq`` tokens per sample, one sample per step, so
@@ -9,6 +10,10 @@ attention dominates the step. Rows: one rank; cp 2 with the ring (p2p); cp 2 wit
 over one rank, and the time each rank spent blocked on the CP exchange (``--log-timers``: the
 ``cp`` axis of the comm-wait figures) as a share of the step. Per-rank balance of the attention
 work and the contiguous-split baseline: ``bench/bench_cp_attention.py``.
+
+``--memory``: two iterations at one rank and at cp 4 under ``/usr/bin/time``, whose maximum
+resident set size is that of the largest process (the biggest rank): the memory a sequence
+length needs on one rank against what each of 4 CP ranks needs.
 """
 from __future__ import annotations
 
@@ -34,15 +39,17 @@ def model_flags(seq: int, iters: int) -> list[str]:
             "--train-iters", str(iters), "--log-interval", "1", "--lr", "1e-4", "--log-timers"]
 
 
-def run_row(nproc: int, flags: list[str], seq: int, iters: int) -> list[dict]:
-    """The metrics records of one launch (every rank's comm waits come from rank 0's record)."""
+def run_row(nproc: int, flags: list[str], seq: int, iters: int) -> tuple[list[dict], int]:
+    """The metrics records of one launch (comm waits are rank 0's) and the largest rank's peak RSS in bytes."""
     with tempfile.TemporaryDirectory() as tmp:
-        metrics = os.path.join(tmp, "m.jsonl")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               "0", "pretrain_gpt.py", *model_flags(seq, iters), *flags, "--metrics-file", metrics]
+        metrics, rss = os.path.join(tmp, "m.jsonl"), os.path.join(tmp, "rss")
+        cmd = ["/usr/bin/time", "-f", "%M", "-o", rss, sys.executable, "-m", "torch.distributed.run",
+               "--standalone", "--nproc_per_node", str(nproc), "pretrain_gpt.py", *model_flags(seq, iters), *flags,
+               "--metrics-file", metrics]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]
+        records = [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]
+        return records, int(open(rss).read().split()[-1]) * 1024
 
 
 def summarise(records: list[dict]) -> dict:
@@ -65,14 +72,27 @@ def table(results: dict[str, dict], seq: int) -> str:
     return "\n".join(lines)
 
 
+def memory_table(seq: int) -> str:
+    lines = [f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 2 iterations, "
+             f"{time.strftime('%Y-%m-%d')}", "", "| layout | peak RSS of the largest rank |", "|---|---|"]
+    for name, nproc, flags in (("1 rank", 1, []), ("cp 4, p2p ring", 4, ["--cp", "4"])):
+        _, peak = run_row(nproc, flags, seq, 2)
+        lines.append(f"| {name} | {peak / 2**30:.2f} GiB |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--memory", action="store_true", help="peak RSS per rank, one rank against cp 4")
     parser.add_argument("--out", default=None, help="append the table to this file")
     args = parser.parse_args()
-    results = {name: summarise(run_row(nproc, flags, args.seq, args.iters)) for name, nproc, flags in ROWS}
-    text = table(results, args.seq)
+    if args.memory:
+        text = memory_table(args.seq)
+    else:
+        results = {name: summarise(run_row(nproc, flags, args.seq, args.iters)[0]) for name, nproc, flags in ROWS}
+        text = table(results, args.seq)
     print(text)
     if args.out:
         with open(args.out, "a") as f:

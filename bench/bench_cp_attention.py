@@ -17,6 +17,12 @@ core count is printed with the table. Nothing here is asserted by the test suite
 
     python bench/bench_cp_attention.py                       # cp 4, 8K tokens, balanced and contiguous
     python bench/bench_cp_attention.py --cp 2 --seq 4096
+    python bench/bench_cp_attention.py --one-process         # each rank's blocks timed in turn, no world
+
+``--one-process`` times, for each CP rank in turn, exactly the blocks that rank computes (forward and
+backward, the same kernels, merges left out) in one process on one thread: the per-rank attention
+work with no rank sharing a core with another, which is what the balance is about on a machine with
+fewer cores than ranks.
 """
 from __future__ import annotations
 
@@ -100,6 +106,42 @@ def serial_seconds(args: argparse.Namespace) -> float:
     return statistics.median(times[WARMUP:])
 
 
+def one_process_seconds(args: argparse.Namespace, balanced: bool) -> list[float]:
+    """Per CP rank: the forward + backward of the blocks it computes in one ring call (median of repeats)."""
+    from megazero.context_parallel.blocks import block_backward, block_forward
+    from megazero.context_parallel.ring import ring_blocks
+
+    torch.set_num_threads(1)
+    local = args.seq // args.cp
+    g = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(1, args.heads, local, args.head_dim, generator=g) for _ in "qo")
+    k, v = (torch.randn(1, args.kv_heads, local, args.head_dim, generator=g) for _ in "kv")
+    per_rank = []
+    for rank in range(args.cp):
+        blocks = [b for step in range(args.cp) for b in ring_blocks(step, rank, args.cp, local, balanced)]
+        times = []
+        for _ in range(WARMUP + args.repeats):
+            start = time.perf_counter()
+            for qs, ks, causal in blocks:
+                qb, kb, vb, ob = (t[:, :, s] for t, s in ((q, qs), (k, ks), (v, ks), (dout, qs)))
+                out, lse = block_forward(qb, kb, vb, causal)
+                block_backward(ob, qb, kb, vb, out, lse, causal)
+            times.append(time.perf_counter() - start)
+        per_rank.append(statistics.median(times[WARMUP:]))
+    return per_rank
+
+
+def one_process_table(args: argparse.Namespace) -> str:
+    lines = [f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}: each rank's "
+             f"blocks (forward + backward) timed in turn in one process, 1 thread, {time.strftime('%Y-%m-%d')}",
+             "", "| split | per-rank attention ms | max/min | max/mean |", "|---|---|---|---|"]
+    for name, balanced in (("balanced", True), ("contiguous", False)):
+        sec = one_process_seconds(args, balanced)
+        lines.append(f"| {name} | {' '.join(f'{s * 1e3:.0f}' for s in sec)} | {max(sec) / min(sec):.2f} | "
+                     f"{max(sec) / statistics.mean(sec):.2f} |")
+    return "\n".join(lines)
+
+
 def table(args: argparse.Namespace, rows: dict, serial: float) -> str:
     lines = [f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}, "
              f"1 thread/rank on {os.cpu_count()} cores; one-rank causal SDPA fwd+bwd {serial * 1e3:.0f} ms", "",
@@ -122,7 +164,11 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--one-process", action="store_true", help="time each rank's blocks in turn, no world")
     args = parser.parse_args()
+    if args.one_process:
+        print(one_process_table(args))
+        return
     rows = run(args)
     print(table(args, rows, serial_seconds(args)))
 

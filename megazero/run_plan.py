@@ -93,7 +93,7 @@ class RunPlan:
     @classmethod
     def resolve(cls, cfg: Config, world_size: int) -> "RunPlan":
         """Lay ``world_size`` ranks out for ``cfg``, validate and derive the plan; raises ConfigError naming
-        the flag. The planner passes the world of a layout it only considers (tp x pp x dp)."""
+        the flag. The planner passes the world of a layout it only considers (tp x cp x pp x dp)."""
         layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
         _check_tensor_parallel(cfg)
         cp_split = _check_context_parallel(cfg)

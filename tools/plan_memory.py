@@ -7,9 +7,10 @@
     python tools/plan_memory.py ... --gpus 8 --gpu-memory 40 --search-offload    # also layouts needing offload
     python tools/plan_memory.py --write-docs          # regenerate the planner blocks of docs/
 
-Takes pretrain_gpt.py's model and layout flags; ``--dp`` (default 1) stands in
+Takes pretrain_gpt.py's model and layout flags (``--cp`` included); ``--dp`` (default 1) stands in
 for the world size the launcher would give. The search keeps the model, seq
-length, precision and global batch, and varies tp (inside a node), pp, dp,
+length, precision and global batch, and varies tp (inside a node), cp (ring attention, where
+the sequence splits into 2 x cp chunks), pp, dp,
 zero, micro-batch and recompute (and with ``--search-offload`` the offload placement of
 layouts that do not fit otherwise). Offload costs are assumption-based (bandwidths in
 ``megazero/memory/offload.py``). ``--offload-optimizer disk`` needs no real
@@ -36,7 +37,7 @@ from megazero.memory import (PLANNED_PATH, Hardware, format_candidates, format_p
                              plan_for_run, planned_world, search_layouts, with_vocabulary)
 
 EXTRA = [
-    ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x pp x dp)."}),
+    ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x cp x pp x dp)."}),
     ("--json", {"action": "store_true", "help": "Print one JSON object (bytes) instead of the table."}),
     ("--gpus", {"type": int, "default": None, "help": "Search mode: GPUs available."}),
     ("--gpu-memory", {"type": float, "default": 80.0, "help": "Search mode: memory per GPU in GiB."}),
@@ -87,7 +88,7 @@ def _with_planned_path(argv: list[str]) -> list[str]:
 
 
 def _plan(cfg, ns, **settings):
-    """The plan of ``cfg`` (with flat ``settings`` changed) on tp x pp x --dp ranks."""
+    """The plan of ``cfg`` (with flat ``settings`` changed) on tp x cp x pp x --dp ranks."""
     cfg = cfg.updated(**settings) if settings else cfg
     return plan_for_run(cfg, planned_world(cfg, ns.dp))
 
@@ -136,6 +137,10 @@ ZERO_ROWS_70B = ["--tp 8 --pp 8 --dp 8 --sequence-parallel --zero-stages 1 2 3",
                  "--tp 8 --pp 4 --dp 32 --sequence-parallel --zero-stages 1 2 3",
                  "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --zero-stages 1 2 3",
                  "--tp 1 --pp 1 --dp 1024 --main-grads-dtype bf16 --no-reshard-after-forward --zero-stages 3"]
+F_LONG = ("--arch llama --num-layers 16 --hidden-size 2048 --num-attention-heads 16 --num-query-groups 1 \\\n"
+          "   --ffn-hidden-size 5632 --seq-length 262152 --vocab-size 32000 --bf16 --global-batch-size 8 \\\n"
+          "   --micro-batch-size 1")
+CP_LONG = ["--gpus 8 --gpu-memory 80 --top 6", "--cp 2 --dp 4 --zero 1 --recompute full"]
 OFFLOAD_7B = ["--gpus 1 --gpu-memory 80 --search-offload --top 4",
               "--tp 1 --pp 1 --dp 8 --recompute full --micro-batch-size 8 --zero-stages 1 3 "
               "--offload-tiers none cpu disk"]
@@ -159,7 +164,8 @@ def best_layout_flags() -> str:
     hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node)
     s = search_layouts(with_vocabulary(cfg), hw)[0].spec
     r = s.run
-    return (f"--tp {r.tp} --pp {r.pp} --dp {r.dp} --zero {int(r.zero)} --micro-batch-size {r.micro_batch_size} "
+    return (f"--tp {r.tp}{f' --cp {r.cp}' if r.cp > 1 else ''} --pp {r.pp} --dp {r.dp} --zero {int(r.zero)} "
+            f"--micro-batch-size {r.micro_batch_size} "
             f"--recompute {s.cfg.training.recompute}{' --sequence-parallel' if s.sequence_parallel else ''}")
 
 
@@ -168,7 +174,8 @@ def doc_blocks() -> dict[str, dict[str, str]]:
     return {
         "docs/memory_planner.md": {"7b": _run_block([f"{SEARCH_7B} --top 8"] + ZERO_ROWS_7B, with_f=True),
                                    "70b": _run_block(ZERO_ROWS_70B, with_f=True, model=F_70B, var="F70"),
-                                   "offload": _run_block(OFFLOAD_7B, with_f=False)},
+                                   "offload": _run_block(OFFLOAD_7B, with_f=False),
+                                   "cp": _run_block(CP_LONG, with_f=True, model=F_LONG, var="FL")},
         "docs/planner_7b.md": {"7b-search": _run_block([f"{SEARCH_7B} --top 12"], with_f=True),
                                "7b-best": _run_block([best_layout_flags()], with_f=False),
                                "7b-dp": _run_block(DP_ONLY_7B + ZERO_ROWS_7B, with_f=False),

@@ -37,9 +37,35 @@ Per stage: the first adds token ids (s b 8, + s b for the TP>1 mask) and an
 embedding-dropout mask; the last adds the final norm, the head's input
 ``s b h e`` and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus
 targets (s b 9).
+
+Context parallelism (cp > 1): every term above is per token, so s is the
+rank's S/cp tokens (measured: ``tests/memory/test_cp_memory.py``). What the CP
+attention core (``context_parallel/attention.py``) keeps instead of SDPA's:
+
+    p2p (ring)   q, k, v as contiguous copies (llama: the rotated q, k and a copy
+                 of v), the output (+ the out-projection's copy of it) and an fp32
+                 log-sum-exp: the flash terms without the qkv output's storage
+    a2a / hybrid q, k, v and the output gathered to n/U heads of U x s tokens (the
+                 same bytes; GQA kv heads replicated to lcm(g/t, U) when U does not
+                 divide them), the log-sum-exp, the output scattered back; RoPE
+                 keeps only its cos/sin tables
+    dropout      the hidden-dropout mask is a float tensor (e bytes, also on CUDA):
+                 drawn for the whole sequence, this rank's rows kept
+    gpt2         the learned-position lookup keeps its s x 8 index
+
+Besides what it keeps, the ring holds a working set while a layer's attention
+runs (``cp_working_bytes``, charged as a transient): in the backward the K/V in
+hand and the one arriving (2 x 2 s b g d e / t), three fp32 dK/dV accumulators
+(the one filling, the one being sent, the one arriving: 3 x 2 s b g d 4 / t) and
+the fp32 dQ (s b n d 4 / t); the all-to-alls hold, in the backward, the gradients
+of the gathered q, k, v (the bytes of the ``qkv`` term) and one all-to-all's send and
+receive buffers (2 x s b n d e / t). These are estimates of what one layer's CP core
+adds at its peak, not a replay: the measured forward + backward peak is within
+-11% .. +9% of activations + transient at cp 2 and 4 (``tests/memory/test_cp_memory.py``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
@@ -57,22 +83,31 @@ class ActivationSpec:
     dtype_bytes: int = 2
     device: str = "cuda"  # kernel facts: dropout mask bytes, attention kernel with dropout
     training: bool = True
+    cp: int = 1  # context-parallel size: each rank keeps seq_length / cp tokens of a sample
+    cp_comm_type: str = "p2p"  # "p2p" (ring), "a2a" (Ulysses) or "a2a+p2p"
+    cp_a2a: int = 1  # U: ranks per all-to-all group (1 ring only, cp all-to-all only)
 
     @property
     def shard(self) -> int:
         return self.tp if self.sequence_parallel else 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one sample on this rank: the whole sequence, or its 1/cp under context parallelism."""
+        return self.seq_length // self.cp
 
     def attention_kernel(self, cfg: ModelConfig) -> str:
         dropout = self.training and cfg.attention_dropout > 0
         return "math" if (self.device == "cpu" and dropout) else "flash"
 
     def mask_bytes(self) -> int:
-        return 1 if self.device == "cuda" else self.dtype_bytes
+        """Hidden-dropout mask bytes per element: bool on CUDA; a float mask on CPU or under CP."""
+        return 1 if self.device == "cuda" and self.cp == 1 else self.dtype_bytes
 
 
 def _norm_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
     """One norm's saved bytes (input, stats, and for RMSNorm the pre-weight value)."""
-    sb, h, e = a.seq_length * a.micro_batch_size, cfg.hidden_size, a.dtype_bytes
+    sb, h, e = a.tokens * a.micro_batch_size, cfg.hidden_size, a.dtype_bytes
     if cfg.arch == "gpt2":
         return (sb * h * e + 2 * sb * 4) // a.shard
     return (sb * h * 4 + sb * h * e + sb * 4) // a.shard
@@ -80,13 +115,15 @@ def _norm_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
 
 def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     """Everything attention keeps between its qkv and out projections."""
-    s, b, t, e = a.seq_length, a.micro_batch_size, a.tp, a.dtype_bytes
+    s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
     n, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     qkv_out = s * b * (n + 2 * g) * d * e // t
     rope = s * b * (n + g) * d * e // t + 2 * s * d * 4 if cfg.arch == "llama" else 0
     out = s * b * n * d * e // t
     if a.recompute == "selective":
         return {"qkv_out": qkv_out, "rope": rope, "attn_out": out}
+    if a.cp > 1:
+        return _cp_core_bytes(cfg, a)
     if a.attention_kernel(cfg) == "flash":
         # With GQA the kernel's output is laid out so the out-projection copies it (measured).
         return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * (2 if g < n else 1)}
@@ -96,9 +133,42 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
             "scores": 3 * b * n * s * s * e // t, "attn_out": out}
 
 
+def kv_heads_per_rank(cfg: ModelConfig, a: ActivationSpec) -> int:
+    """kv heads per rank in the attention core: g / t, replicated to lcm(g / t, U) for an all-to-all of U."""
+    g = cfg.query_groups // a.tp
+    u = a.cp_a2a if a.cp_comm_type != "p2p" else 1
+    return g if g % u == 0 else math.lcm(g, u)
+
+
+def _cp_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
+    """What the CP attention core keeps for backward (see the module docstring)."""
+    s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
+    n, d = cfg.num_attention_heads, cfg.head_dim
+    out = s * b * n * d * e // t
+    tables = 2 * s * d * 4 if cfg.arch == "llama" else 0  # RoPE cos/sin at this rank's positions
+    # ring: contiguous copies of this rank's q, k, v; all-to-all: q, k, v gathered to n/U heads of U x s tokens
+    qkv = s * b * (n // t + 2 * kv_heads_per_rank(cfg, a)) * d * e
+    return {"qkv": qkv, "rope": tables, "lse": b * n * s * 4 // t, "attn_out": 2 * out}
+
+
+def cp_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
+    """Transient of the CP attention core while one layer's attention runs (module docstring): the
+    ring's K/V buffers and fp32 dK/dV/dQ accumulators; the all-to-alls' gathered gradients and buffers."""
+    if a.cp == 1:
+        return 0
+    s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
+    n, d = cfg.num_attention_heads, cfg.head_dim
+    gathered = s * b * (n // t + 2 * kv_heads_per_rank(cfg, a)) * d * e  # dq, dk, dv of the gathered heads
+    total = gathered + 2 * s * b * n * d * e // t if a.cp_comm_type != "p2p" else 0
+    if a.cp_comm_type != "a2a":
+        kv = 2 * s * b * kv_heads_per_rank(cfg, a) * d  # K and V of one block, elements
+        total += 2 * kv * e + 3 * kv * 4 + s * b * n * d * 4 // t
+    return total
+
+
 def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     """Saved bytes of one block for one micro-batch, by term (see the module docstring)."""
-    s, b, h, f, t, e = (a.seq_length, a.micro_batch_size, cfg.hidden_size, cfg.ffn_size, a.tp, a.dtype_bytes)
+    s, b, h, f, t, e = (a.tokens, a.micro_batch_size, cfg.hidden_size, cfg.ffn_size, a.tp, a.dtype_bytes)
     if a.recompute == "full":
         return {"block_input": s * b * h * e // a.shard}
     # The qkv and MLP-in layers keep their (normed) input; llama's gate and up share one. Under SP
@@ -112,15 +182,17 @@ def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
 
 
 def first_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
-    sb = a.seq_length * a.micro_batch_size
+    sb = a.tokens * a.micro_batch_size
     terms = {"token_ids": sb * 8 + (sb if a.tp > 1 else 0)}
+    if a.cp > 1 and cfg.arch == "gpt2":
+        terms["position_index"] = a.tokens * 8  # the learned table is indexed at this rank's positions
     if a.training and cfg.hidden_dropout > 0:
         terms["embedding_dropout"] = sb * cfg.hidden_size * a.mask_bytes() // a.shard
     return terms
 
 
 def last_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
-    sb = a.seq_length * a.micro_batch_size
+    sb = a.tokens * a.micro_batch_size
     return {"final_norm": _norm_bytes(cfg, a), "head_input": sb * cfg.hidden_size * a.dtype_bytes,
             "softmax_fp32": sb * cfg.padded_vocab_size(a.tp) // a.tp * 4, "targets": sb * 9}
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..config import Config, ConfigError, ModelConfig, Placement
 from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering
-from .activations import (ActivationSpec, chunk_activation_bytes, in_flight_micro_batches,
+from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, in_flight_micro_batches,
                           recompute_working_bytes)
 from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
@@ -88,13 +88,20 @@ class PlanSpec:
         t = self.cfg.training
         return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.run.micro_batch_size,
                               tp=self.run.tp, sequence_parallel=self.sequence_parallel, recompute=t.recompute,
-                              dtype_bytes=self.run.compute_dtype.itemsize, device=self.device)
+                              dtype_bytes=self.run.compute_dtype.itemsize, device=self.device, cp=self.run.cp,
+                              cp_comm_type=self.run.cp_comm_type, cp_a2a=self.run.cp_split.a2a)
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks holding the same weights, over which gradients reduce and ZeRO shards: dp x cp."""
+        return self.run.dp * self.run.cp
 
     def layout_dict(self) -> dict[str, Any]:
         """The plan's layout and choices as the planner's JSON records them."""
         r, t, g, where = self.run, self.cfg.training, self.gathering, self.run.placement
-        return {"tp": r.tp, "pp": r.pp, "dp": r.dp, "zero": int(r.zero), "micro_batch_size": r.micro_batch_size,
-                "num_micro_batches": r.micro_batches, "sequence_parallel": self.sequence_parallel,
+        return {"tp": r.tp, "cp": r.cp, "cp_comm_type": r.cp_comm_type, "pp": r.pp, "dp": r.dp, "zero": int(r.zero),
+                "micro_batch_size": r.micro_batch_size, "num_micro_batches": r.micro_batches,
+                "sequence_parallel": self.sequence_parallel,
                 "recompute": t.recompute, "recompute_num_layers": t.recompute_num_layers,
                 "schedule": self.schedule, "vp": r.virtual_stages, "precision": DTYPE_NAMES[r.compute_dtype],
                 "main_grads_dtype": DTYPE_NAMES[r.main_grads_dtype], "bucket_size": self.cfg.parallel.bucket_size,
@@ -190,8 +197,10 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     for pre, post in chunks:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
-    logits = a.seq_length * a.micro_batch_size * run.padded_vocab_size // run.tp * (a.dtype_bytes + 4)
-    transient = max(recompute_working_bytes(cfg, a), logits if last else 0)
+    # the logits and, unless they are fp32 already, their fp32 copy for the cross entropy
+    logit_bytes = a.dtype_bytes + (4 if a.dtype_bytes != 4 else 0)
+    logits = a.tokens * a.micro_batch_size * run.padded_vocab_size // run.tp * logit_bytes
+    transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a), logits if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight,
                      params_bytes=state.params - off.params_device, grads_bytes=state.grads,
@@ -211,11 +220,11 @@ def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bo
         # parameters on disk: a prefetch only starts the read; the unit is gathered when it is needed
         on_disk = run.placement.parameters is Placement.DISK
         gathering = replace(spec.gathering, prefetch=0) if on_disk else spec.gathering
-        return zero3_bytes(_chunk_buckets(spec, blocks, chunks), run.dp, w, g, k, gathering,
+        return zero3_bytes(_chunk_buckets(spec, blocks, chunks), spec.shard_ranks, w, g, k, gathering,
                            pinned=in_flight > 1)
     precision, main_grads = DTYPE_NAMES[run.compute_dtype], DTYPE_NAMES[run.main_grads_dtype]
-    state = model_state_bytes(params, run.dp, run.zero, precision, main_grads)
-    grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], run.dp,
+    state = model_state_bytes(params, spec.shard_ranks, run.zero, precision, main_grads)
+    grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], spec.shard_ranks,
                        run.zero, run.micro_batches, g)
     return PeakState(params=state.params, grads=grads.peak, optimizer=state.optimizer,
                      persistent=state.params + grads.persistent + state.optimizer, params_peak=state.params)
@@ -247,8 +256,8 @@ def _bucket_layout(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]])
 
 
 def _num_shards(run: RunPlan) -> int:
-    """Ranks a bucket's optimizer state is split over (its padding follows): dp once ZeRO shards it."""
-    return run.dp if run.zero.shards_optimizer_state else 1
+    """Ranks a bucket's optimizer state is split over (its padding follows): dp x cp once ZeRO shards it."""
+    return run.dp * run.cp if run.zero.shards_optimizer_state else 1
 
 
 def _state_shards(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[int]:
@@ -267,7 +276,7 @@ def format_plan(plan: MemoryPlan) -> str:
     s, r, m = plan.spec, plan.spec.run, plan.spec.model
     lines = [f"model: {m.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {m.num_layers} layers, "
              f"hidden {m.hidden_size}, seq {m.seq_length}",
-             f"layout: tp={r.tp} pp={r.pp} dp={r.dp} (world {r.world_size}), zero {int(r.zero)}{_zero3_knobs(s)}, "
+             f"layout: {_layout_words(r)}, zero {int(r.zero)}{_zero3_knobs(s)}, "
              f"{DTYPE_NAMES[r.compute_dtype]}, "
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
@@ -304,13 +313,13 @@ def format_rows(plans: list[MemoryPlan]) -> str:
     steps (for ZeRO 3 the paper's (w + g + K) / dp), ``+step`` what a step adds at the model state's
     high-water mark (bucket gradients, gathered units, fp32 copies), ``state`` their sum."""
     offload = any(p.spec.offloaded for p in plans)  # then host / disk GiB and the assumed seconds too
-    lines = [f"{'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} {'shards':>7} "
+    lines = [f"{'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} {'shards':>7} "
              f"{'+step':>7} {'state':>7} {'activ':>7} {'peak':>7}"
              + (f" {'offload':>14} {'host':>7} {'disk':>7} {'offl s*':>7}" if offload else "")]
     for plan in plans:
         r, st = plan.spec.run, plan.peak
-        lines.append(f"{r.tp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} {r.micro_batches:>4} "
-                     f"{plan.spec.cfg.training.recompute:>9} {st.persistent_bytes / GIB:7.2f} "
+        lines.append(f"{r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} "
+                     f"{r.micro_batches:>4} {plan.spec.cfg.training.recompute:>9} {st.persistent_bytes / GIB:7.2f} "
                      f"{st.in_step_bytes / GIB:7.2f} {st.model_state_bytes / GIB:7.2f} "
                      f"{st.activations_bytes / GIB:7.2f} {st.total_bytes / GIB:7.2f}"
                      + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
@@ -326,6 +335,13 @@ def offload_label(s: PlanSpec) -> str:
     parts = [f"{name}:{p.flag_word}" for name, p in (("opt", where.optimizer_state), ("p", where.parameters))
              if p.offloaded]
     return "+".join(parts) or "-"
+
+
+def _layout_words(r: RunPlan) -> str:
+    """'tp=2 cp=4 (p2p) pp=1 dp=2 (world 16)': the degrees, cp with its attention variant."""
+    cp = f"{r.cp} ({r.cp_comm_type}{f' U={r.cp_split.a2a}' if r.cp_comm_type == 'a2a+p2p' else ''})" \
+        if r.cp > 1 else "1"
+    return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp} (world {r.world_size})"
 
 
 def _zero3_knobs(s: PlanSpec) -> str:
@@ -351,8 +367,8 @@ def with_vocabulary(cfg: Config) -> Config:
 
 
 def planned_world(cfg: Config, dp: int) -> int:
-    """Ranks of ``cfg``'s tp x pp with ``dp`` data-parallel ranks: a world the planner only considers."""
-    return cfg.parallel.tp * cfg.parallel.pp * dp
+    """Ranks of ``cfg``'s tp x cp x pp with ``dp`` data-parallel ranks: a world the planner only considers."""
+    return cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * dp
 
 
 def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:

@@ -6,17 +6,23 @@ it ranks layouts rather than predicting wall time to the percent):
     FLOPs   training FLOPs per token, ``megazero.model.flops.flops_per_token`` (the
             trainer's MFU formula) with the padded vocabulary: 3 x forward, plus one
             more block forward (full recompute) or attention core (selective)
-    t_mb    one micro-batch through one stage =
-              FLOPs x b s / (pp tp) / (peak x efficiency)
-            + TP: 4 collectives per block (6 with full recompute) of s b h e bytes,
+    t_mb    one micro-batch through one stage (s_l = s / cp tokens of a sample per rank) =
+              FLOPs x b s / (pp tp cp) / (peak x efficiency)   (the balanced CP split)
+            + TP: 4 collectives per block (6 with full recompute) of s_l b h e bytes,
               ring cost 2 (tp-1)/tp x bytes / intra-node bandwidth
-            + PP: 2 x s b h e / r bytes sent per stage boundary at inter-node bandwidth
+            + CP, per block (``cp_seconds``), with kv = 2 s_l b g/t d e (this rank's K and V):
+              p2p: (cp-1) K/V sends forward, (cp-1) K/V and cp fp32 dK/dV backward, the
+              forward's again with recompute; a2a: 4 all-to-alls forward and 4 backward of
+              (cp-1)/cp of the local q, k, v, out (8 more with recompute); a2a+p2p: both, over
+              U and cp/U ranks; intra-node bandwidth when tp x cp fits in a node
+            + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth
     step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
-            + DP: zero 0 all-reduce 2 (dp-1)/dp P g; zero 1/2 reduce-scatter (dp-1)/dp P g
-              + all-gather (dp-1)/dp P w; zero 3 per micro-batch: reduce-scatter (dp-1)/dp P g
-              + all-gathers (dp-1)/dp P w, twice with reshard-after-forward (forward, backward)
-              (under pipelining kept units may be gathered once for several micro-batches: an
-              upper bound); intra-node bandwidth when tp x dp fits in a node.
+            + DP over the dp x cp ranks that share the weights (D = dp cp): zero 0 all-reduce
+              2 (D-1)/D P g; zero 1/2 reduce-scatter (D-1)/D P g + all-gather (D-1)/D P w; zero 3
+              per micro-batch: reduce-scatter (D-1)/D P g + all-gathers (D-1)/D P w, twice with
+              reshard-after-forward (forward, backward) (under pipelining kept units may be
+              gathered once for several micro-batches: an upper bound); intra-node bandwidth when
+              tp x cp x dp fits in a node.
             + offload (``offload.py``; ASSUMED bandwidths, no overlap): host<->device copies,
               the CPU AdamW, the disk tier's reads and writes.
 
@@ -37,6 +43,7 @@ from dataclasses import dataclass, field
 from ..config import Config, ModelConfig, Placement
 from ..model.flops import flops_per_token
 from ..run_plan import ZeroStage
+from .activations import kv_heads_per_rank
 from .offload import OffloadHardware, describe
 from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
 
@@ -72,25 +79,46 @@ class Hardware:
                    for s in plan.stages)
 
 
+def cp_seconds(spec: PlanSpec, hw: Hardware) -> float:
+    """Context-parallel exchange of one block for one micro-batch, forward and backward (module docstring)."""
+    a, run, cfg = spec.activation_spec(), spec.run, spec.model
+    if run.cp == 1:
+        return 0.0
+    replays = 1 if spec.cfg.training.recompute in ("selective", "full") else 0  # recompute replays the exchange
+    s, b, e, d = a.tokens, a.micro_batch_size, a.dtype_bytes, cfg.head_dim
+    kv_heads = kv_heads_per_rank(cfg, a)
+    moved = 0.0  # bytes each rank sends
+    ring, u = run.cp // a.cp_a2a, a.cp_a2a
+    if u > 1:  # q, k, v, out (and their gradients), (U-1)/U of each leaves the rank
+        local = s * b * (2 * cfg.num_attention_heads // run.tp + 2 * kv_heads) * d * e
+        moved += (2 + replays) * (u - 1) / u * local
+    if ring > 1:  # this rank's K/V (gathered to U s tokens of g'/U heads in the hybrid: the same bytes)
+        kv = 2 * s * b * kv_heads * d * e
+        moved += (ring - 1) * kv * (2 + replays) + ring * kv * 4 / e
+    bw = hw.intra_node_bandwidth if run.tp * run.cp <= hw.gpus_per_node else hw.inter_node_bandwidth
+    return moved / bw
+
+
 def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     """Estimated seconds per optimizer step (see the module docstring)."""
     cfg, a, run, t = spec.model, spec.activation_spec(), spec.run, spec.cfg.training
     flops = flops_per_token(cfg, t.recompute, t.recompute_num_layers, run.padded_vocab_size)
     tokens_mb = run.micro_batch_size * cfg.seq_length
-    compute = flops * tokens_mb / (run.pp * run.tp) / (hw.peak_flops * hw.efficiency)
-    act = tokens_mb * cfg.hidden_size * a.dtype_bytes
+    compute = flops * tokens_mb / (run.pp * run.tp * run.cp) / (hw.peak_flops * hw.efficiency)
+    act = run.micro_batch_size * a.tokens * cfg.hidden_size * a.dtype_bytes
     layers = cfg.num_layers // run.pp
     tp_comm = 0.0
     if run.tp > 1:
         per = 2 * (run.tp - 1) / run.tp * act / hw.intra_node_bandwidth
         tp_comm = layers * (6 if t.recompute == "full" else 4) * per
     pp_comm = 2 * act / a.shard / hw.inter_node_bandwidth if run.pp > 1 else 0.0
-    t_mb = compute + tp_comm + pp_comm
+    t_mb = compute + tp_comm + layers * cp_seconds(spec, hw) + pp_comm
     pipeline = t_mb * (run.micro_batches + (run.pp - 1) / run.virtual_stages)
     w, g, _ = spec.bytes_per_param()
     params = max(s.params_on_rank for s in plan.stages)
-    bw = hw.intra_node_bandwidth if run.tp * run.dp <= hw.gpus_per_node else hw.inter_node_bandwidth
-    frac = (run.dp - 1) / run.dp
+    shared = spec.shard_ranks  # dp x cp ranks hold the same weights
+    bw = hw.intra_node_bandwidth if run.tp * shared <= hw.gpus_per_node else hw.inter_node_bandwidth
+    frac = (shared - 1) / shared
     dp_bytes = 2 * frac * params * g if not run.zero.shards_optimizer_state else frac * params * (g + w)
     if run.zero.shards_parameters:
         dp_bytes = run.micro_batches * frac * params * (g + w * (2 if spec.gathering.reshard_after_forward else 1))
@@ -117,32 +145,50 @@ def _tp_ok(cfg: ModelConfig, tp: int) -> bool:
     return all(v % tp == 0 for v in (cfg.num_attention_heads, cfg.query_groups, cfg.ffn_size, cfg.hidden_size))
 
 
+def _cp_ok(cfg: ModelConfig, tp: int, cp: int) -> bool:
+    """The ring's load-balanced split cuts each sample into 2 x cp chunks (and SP into tp x cp pieces);
+    CP runs without attention dropout (``run_plan`` refuses it)."""
+    return cp == 1 or (cfg.seq_length % (2 * cp) == 0 and cfg.seq_length % (tp * cp) == 0
+                       and cfg.attention_dropout == 0)
+
+
 def search_layouts(cfg: Config, hw: Hardware, micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
                    recomputes: tuple[str, ...] = ("none", "selective", "full"),
                    offload: bool = False) -> list[Candidate]:
     """Every layout of ``hw.gpus`` that fits ``cfg``'s model and global batch, fastest first (tp inside a
-    node, 1F1B when pp > 1; each a ``RunPlan`` resolved for that layout); with ``offload``, also those
-    that fit only with offload (the fastest such placement each)."""
+    node, context parallelism with the ring (p2p), 1F1B when pp > 1; each a ``RunPlan`` resolved for
+    that layout); with ``offload``, also those that fit only with offload (the fastest such placement each)."""
     model, found, device = cfg.model, [], planned_device(cfg)
     global_batch_size = cfg.training.global_batch_size
     for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(model, d) and hw.gpus % d == 0):
-        for pp in (d for d in _divisors(model.num_layers) if hw.gpus % (tp * d) == 0):
-            dp = hw.gpus // (tp * pp)
-            for mbs in micro_batch_sizes:
-                if global_batch_size % (mbs * dp) != 0:
-                    continue
-                if pp > 1 and global_batch_size // (mbs * dp) < pp:
-                    continue  # 1F1B with fewer micro-batches than stages is all bubble
-                for zero in (tuple(ZeroStage) if dp > 1 else (ZeroStage.NONE,)):
-                    for rc in recomputes:
-                        layout = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             zero=int(zero), micro_batch_size=mbs, sequence_parallel=tp > 1,
-                                             recompute=rc, recompute_num_layers=None, pipeline_schedule=None,
-                                             virtual_pipeline_size=None, num_layers_per_virtual_pipeline_stage=None,
-                                             offload_optimizer=DEVICE.flag_word, offload_params=DEVICE.flag_word,
-                                             offload_path=None)  # offload: only a layout that needs it
-                        found += _fitting(PlanSpec.for_world(layout, hw.gpus, device), hw, offload)
+        for cp in (c for c in _divisors(hw.gpus // tp) if _cp_ok(model, tp, c)):
+            for pp in (d for d in _divisors(model.num_layers) if hw.gpus % (tp * cp * d) == 0):
+                dp = hw.gpus // (tp * cp * pp)
+                for mbs in micro_batch_sizes:
+                    if global_batch_size % (mbs * dp) != 0:
+                        continue
+                    if pp > 1 and global_batch_size // (mbs * dp) < pp:
+                        continue  # 1F1B with fewer micro-batches than stages is all bubble
+                    found += _layouts(cfg, hw, offload, device, tp=tp, cp=cp, pp=pp, mbs=mbs,
+                                      zeros=tuple(ZeroStage) if dp * cp > 1 else (ZeroStage.NONE,),
+                                      recomputes=recomputes)
     return sorted(found, key=lambda c: (c.step_seconds, c.peak_bytes))
+
+
+def _layouts(cfg: Config, hw: Hardware, offload: bool, device: str, *, tp: int, cp: int, pp: int, mbs: int,
+             zeros: tuple[ZeroStage, ...], recomputes: tuple[str, ...]) -> list[Candidate]:
+    """The fitting candidates of one (tp, cp, pp, micro-batch) over ZeRO stages and recompute modes."""
+    found = []
+    for zero in zeros:
+        for rc in recomputes:
+            layout = cfg.updated(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type="p2p",
+                                 cp_a2a_size=None, pipeline_model_parallel_size=pp, zero=int(zero),
+                                 micro_batch_size=mbs, sequence_parallel=tp > 1, recompute=rc,
+                                 recompute_num_layers=None, pipeline_schedule=None, virtual_pipeline_size=None,
+                                 num_layers_per_virtual_pipeline_stage=None, offload_optimizer=DEVICE.flag_word,
+                                 offload_params=DEVICE.flag_word, offload_path=None)  # offload: only if needed
+            found += _fitting(PlanSpec.for_world(layout, hw.gpus, device), hw, offload)
+    return found
 
 
 def _fitting(spec: PlanSpec, hw: Hardware, offload: bool) -> list[Candidate]:
@@ -181,15 +227,16 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> st
     tokens = cands[0].spec.model.seq_length * best.micro_batch_size * best.micro_batches * best.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
-             f"  {'tp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
+             f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
              f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"
              + (f" {'offload':>14} {'host':>6} {'disk':>6} {'offl s':>6}" if offload else "")]
     for i, c in enumerate(cands[:top]):
         r, st = c.spec.run, c.plan.peak
-        lines.append(f"{'*' if i == 0 else ' '} {r.tp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} "
-                     f"{r.micro_batches:>4} {c.spec.cfg.training.recompute:>9} {st.model_state_bytes / GIB:7.1f} "
-                     f"{st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} {c.step_seconds:7.2f} "
-                     f"{tokens / c.step_seconds / hw.gpus:9.0f}" + (_offload_cells(c, hw) if offload else ""))
+        lines.append(f"{'*' if i == 0 else ' '} {r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} "
+                     f"{r.micro_batch_size:>4} {r.micro_batches:>4} {c.spec.cfg.training.recompute:>9} "
+                     f"{st.model_state_bytes / GIB:7.1f} {st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} "
+                     f"{c.step_seconds:7.2f} {tokens / c.step_seconds / hw.gpus:9.0f}"
+                     + (_offload_cells(c, hw) if offload else ""))
     if offload:
         lines.append(f"offload: listed only when a layout does not fit on the device; host, disk: GiB per GPU; "
                      f"'offl s' (in 'step s'): {describe(hw.offload)}")

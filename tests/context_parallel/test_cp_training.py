@@ -95,12 +95,17 @@ def test_tp2_cp2_pp2_zero3_recompute_match_serial():
 
 def test_bad_cp_layouts_fail_with_one_line():
     from megazero.run_plan import RunPlan
-    cases = {("--seq-length", "2 x --cp 3"): (make_cfg(cp=3, seq=32), 3),
-             ("--cp-comm-type a2a", "heads"): (make_cfg(cp=8, comm="a2a"), 8),
-             ("world size 6", "--tp 1 x --cp 4"): (make_cfg(cp=4), 6)}
+    cases = {("--seq-length", "2 x --cp 3"): (lambda: make_cfg(cp=3, seq=32), 3),
+             ("--cp-comm-type a2a", "heads"): (lambda: make_cfg(cp=8, comm="a2a"), 8),
+             ("world size 6", "--tp 1 x --cp 4"): (lambda: make_cfg(cp=4), 6),
+             ("--attention-dropout", "--cp 2"): (lambda: make_cfg(cp=2).updated(attention_dropout=0.1), 2),
+             ("--cp-a2a-size", "a2a+p2p"): (lambda: make_cfg(cp=4, a2a=2), 4),
+             ("--cp-comm-type a2a+p2p", "--cp-a2a-size"): (lambda: make_cfg(cp=4, comm="a2a+p2p", a2a=4), 4),
+             ("--seq-length", "--cp (2) with --sequence-parallel"): (lambda: make_cfg(tp=4, cp=2, sp=True,
+                                                                                     seq=36), 8)}
     for (flag, why), (cfg_fn, world) in cases.items():
         try:
-            RunPlan.resolve(cfg_fn, world)
+            RunPlan.resolve(cfg_fn(), world)
         except ConfigError as err:
             assert flag in str(err) and why in str(err) and "\n" not in str(err), str(err)
         else:

@@ -50,30 +50,18 @@ def _head_to_seq(y_bhsd: torch.Tensor, group: Group, pieces: int) -> torch.Tenso
     return recv.permute(1, 0, 2, 3, 4, 5).reshape(b, u * hu, s, d)
 
 
-class _SeqToHead(torch.autograd.Function):
-    """forward: sequence shards -> head shards (all-to-all) / backward: head shards -> sequence shards."""
+class _Exchange(torch.autograd.Function):
+    """The all-to-all between sequence and head shards; its backward is the exchange the other way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, pieces: int) -> torch.Tensor:
-        ctx.group, ctx.pieces = group, pieces
-        return _seq_to_head(x, group, pieces)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _head_to_seq(grad.contiguous(), ctx.group, ctx.pieces), None, None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    """forward: head shards -> sequence shards (all-to-all) / backward: sequence shards -> head shards."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, group: dist.ProcessGroup, pieces: int) -> torch.Tensor:
-        ctx.group, ctx.pieces = group, pieces
-        return _head_to_seq(y, group, pieces)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, pieces: int, to_heads: bool) -> torch.Tensor:
+        ctx.group, ctx.pieces, ctx.to_heads = group, pieces, to_heads
+        return (_seq_to_head if to_heads else _head_to_seq)(x, group, pieces)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _seq_to_head(grad.contiguous(), ctx.group, ctx.pieces), None, None
+        back = _head_to_seq if ctx.to_heads else _seq_to_head
+        return back(grad.contiguous(), ctx.group, ctx.pieces), None, None, None
 
 
 def check_heads(heads: int, kv_heads: int, a2a_size: int) -> None:
@@ -107,5 +95,5 @@ def ulysses_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.
     u = dist.get_world_size(group)
     check_heads(q_bnsd.shape[1], k_bgsd.shape[1], u)
     k_bgsd, v_bgsd = replicate_kv_heads(k_bgsd, u), replicate_kv_heads(v_bgsd, u)
-    q, k, v = (_SeqToHead.apply(t, group, pieces) for t in (q_bnsd, k_bgsd, v_bgsd))
-    return _HeadToSeq.apply(inner(q, k, v), group, pieces)
+    q, k, v = (_Exchange.apply(t, group, pieces, True) for t in (q_bnsd, k_bgsd, v_bgsd))
+    return _Exchange.apply(inner(q, k, v), group, pieces, False)

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -93,7 +94,7 @@ def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Param
         for kind in KINDS:
             tensors[f"{name}/{kind}"] = views[kind].detach().clone() if transient else views[kind].detach()
     bad = non_finite(tensors)
-    fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_rank)
+    fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # its shard of dp x cp
     _write({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
     return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}, bad
 
@@ -153,16 +154,17 @@ def _write_rank(staging: str, named: dict[str, nn.Parameter], copies: dict, opti
     """Every file this rank owns, into ``staging``; its index entries and the names holding NaN/inf."""
     os.makedirs(staging, exist_ok=True)
     bad: list[str] = []
-    if pstate.dp_rank == 0:
+    writes_model = pstate.dp_cp_rank == 0  # one copy of each (tp, pp) slice: DP and CP ranks hold the same
+    if writes_model:
         weights = {n: copies[p] for n, p in named.items()}
         bad = non_finite(weights)
         _write(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
     optim_info = None
-    if pstate.dp_rank == 0 or optimizer.shards_state_over_dp:
+    if writes_model or optimizer.shards_state_over_dp:
         optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
         bad += optim_bad
     _write(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
-    return {"model": _model_index(named, pstate) if pstate.dp_rank == 0 else {}, "optim": optim_info,
+    return {"model": _model_index(named, pstate) if writes_model else {}, "optim": optim_info,
             "non_finite": bad, "error": None}
 
 
@@ -179,6 +181,29 @@ def _loaded(cfg: Config, root: str, loaded: str | None) -> tuple[str, ...]:
         return ()
 
 
+@dataclass(frozen=True)
+class SaveTarget:
+    """What one save publishes, fixed when it starts (an --async-save concludes steps later, when the
+    optimizer's step count has moved on)."""
+
+    root: str
+    iteration: int
+    consumed_samples: int
+    stamp: str  # rank 0's clock in ms, broadcast: the staging folder's suffix and ``saved_at``
+    scalars: dict[str, Any]
+
+    @property
+    def staging(self) -> str:
+        return storage.staging_dir(self.root, self.iteration, self.stamp)
+
+
+def start_save(root: str, iteration: int, consumed_samples: int, optimizer: ShardedOptimizerState,
+               pstate: ParallelState) -> SaveTarget:
+    """The save's stamp, agreed by every rank (one broadcast), and the optimizer scalars of this step."""
+    stamp = C.broadcast_object(f"{int(time.time() * 1000)}" if pstate.rank == 0 else None, 0, pstate.world_group)
+    return SaveTarget(root, iteration, consumed_samples, stamp, optimizer.state_scalars())
+
+
 def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, plan: RunPlan,
                     pstate: ParallelState, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
                     tp_rng: Any = None, keep_last: int | None = None, loaded: str | None = None,
@@ -189,21 +214,39 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
     in anyway, removes the staging folder and raises everywhere (an OSError naming the file).
     ``loaded``: the folder this run resumed from, which --keep-last never removes.
     """
-    stamp = C.broadcast_object(f"{int(time.time() * 1000)}" if pstate.rank == 0 else None, 0, pstate.world_group)
-    staging = storage.staging_dir(root, iteration, stamp)
+    target = start_save(root, iteration, consumed_samples, optimizer, pstate)
+    staging = target.staging
     named, own = named_parameters(chunks), None
-    copies = optimizer.host_copies(keep=pstate.dp_rank == 0)  # every DP rank takes part (ZeRO 3 gathers)
+    copies = optimizer.host_copies(keep=pstate.dp_cp_rank == 0)  # every DP/CP rank takes part (ZeRO 3 gathers)
     try:
         mine = _write_rank(staging, named, copies, optimizer, pstate, tp_rng)
     except Exception as err:  # noqa: BLE001 - reported to every rank in the all-gather below
-        own, mine = err, {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, iteration)}
+        own, mine = err, failed_piece(err, iteration)
     del copies
     pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the vote
+    return conclude(target, pieces, own, cfg=cfg, plan=plan, pstate=pstate, keep_last=keep_last, loaded=loaded,
+                    log=log)
+
+
+def failed_piece(err: BaseException, iteration: int) -> dict[str, Any]:
+    """This rank's vote when its write failed."""
+    return {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, iteration)}
+
+
+def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, *, cfg: Config, plan: RunPlan,
+             pstate: ParallelState, keep_last: int | None, loaded: str | None,
+             log: Callable[[str], None]) -> str:
+    """After the vote (every rank's ``pieces``): refuse on every rank, or rank 0 publishes and rotates.
+
+    Every rank calls it at the same point; it ends with a broadcast, so nobody moves on before the publish.
+    """
+    root, staging, iteration = target.root, target.staging, target.iteration
     _refuse(pieces, staging, iteration, pstate, own)
     final, outcome = os.path.join(root, storage.iteration_dir(iteration)), None
     if pstate.rank == 0:
         try:
-            meta = {**_metadata(cfg, plan, iteration, consumed_samples, optimizer, pieces), "saved_at": int(stamp)}
+            meta = {**_metadata(cfg, plan, iteration, target.consumed_samples, target.scalars, pieces),
+                    "saved_at": int(target.stamp)}
             spare = _loaded(cfg, root, loaded)
             storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
             final = storage.publish(root, staging, iteration, keep_last=None)
@@ -219,7 +262,7 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
     return final
 
 
-def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int, optimizer: ShardedOptimizerState,
+def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int, scalars: dict[str, Any],
               pieces: list[dict]) -> dict[str, Any]:
     model: dict[str, Any] = {}
     for piece in pieces:
@@ -230,5 +273,5 @@ def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int,
                    for p in pieces if p["optim"] is not None}
     return storage.metadata_dict(
         config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
-        layout=plan.layout_record(), optimizer_scalars=optimizer.state_scalars(), optimizer_files=optim_files,
+        layout=plan.layout_record(), optimizer_scalars=scalars, optimizer_files=optim_files,
         rng_files=True)

@@ -187,6 +187,12 @@ class Trainer:
         self._emit(record, format_eval(record))
         return record
 
+    def _save_hook(self, name: str) -> None:
+        """``poll`` or ``finish`` of an asynchronous saver (``checkpoint/async_save.py``); a plain one has neither."""
+        hook = getattr(self.save, name, None)
+        if hook is not None:
+            hook()
+
     def train(self) -> list[dict[str, Any]]:
         t, every = self.cfg.training, self.cfg.logging.log_interval
         records: list[dict[str, Any]] = []
@@ -214,12 +220,15 @@ class Trainer:
                         self.iteration % t.eval_interval == 0 or last):
                     records.append(self._evaluate())
                 signalled = self.save is not None and stop.agreed(self.pstate)
+                self._save_hook("poll")  # --async-save: publish a background save every rank has written
                 interval = self.cfg.checkpoint.save_interval
                 if self.save is not None and (last or signalled or (interval and self.iteration % interval == 0)):
                     self.save(self.iteration)
                 if signalled:
+                    self._save_hook("finish")
                     self.log.print(f"megazero: stopped by signal after iteration {self.iteration}; checkpoint saved")
                     break
+            self._save_hook("finish")  # the end of training waits for a background save and publishes it
         finally:
             stop.restore()
         if self.schedule.timeline is not None and self.cfg.logging.timeline:

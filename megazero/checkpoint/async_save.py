@@ -1,0 +1,190 @@
+"""--async-save: the training step copies this rank's shard to host memory and returns; a thread writes it.
+
+A save costs a copy (memory bandwidth) and a write (the disk). Only the copy stalls training:
+
+1. **snapshot** (main thread, in the step that saves): the model weights this rank writes, its optimizer-state
+   pieces and its RNG states, copied into host buffers kept for the next save (pinned on CUDA: non-blocking
+   copies and one event sync). The stamp broadcast (and, under ZeRO 3, the unit gathers) are its only
+   collectives, run where every rank runs them.
+2. **write** (one background thread per rank): the very files ``save_checkpoint`` writes, into the staging
+   folder, each fsynced. The thread runs no collective: gloo and NCCL need every rank to issue its
+   collectives in one order, which a thread racing the training loop's own collectives cannot promise.
+3. **conclude** (main thread, at a point every rank reaches in the same step): once every rank's writer is
+   done (``poll``: one tiny all-reduce per step while a save is pending), or at the next save, the end of
+   training or a signal's save (``finish``: waits), the vote and rank 0's publish are ``save_checkpoint``'s
+   own (``save.conclude``): ``metadata.json``, the rename, ``latest``, --keep-last.
+
+Until the conclusion the files sit in ``iter_N.tmp-<stamp>/``: a crash (or an error exit, ``close``) leaves
+``latest`` naming the last good checkpoint, and the next save removes the leftover folder.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..optimizer.protocol import ShardedOptimizerState
+from ..parallel import collectives as C
+from ..parallel.state import ParallelState
+from ..run_plan import RunPlan
+from . import save as S
+from . import storage
+
+
+@dataclass
+class Snapshot:
+    """One rank's share of a save, in host memory: file name -> tensors, and its index entries."""
+
+    target: S.SaveTarget
+    files: dict[str, dict[str, torch.Tensor]]
+    model_index: dict[str, Any]
+    optim_info: dict[str, Any] | None
+    piece: dict[str, Any] | None = None  # the writer's vote, once it is done
+    error: BaseException | None = None
+    thread: threading.Thread | None = field(default=None, repr=False)
+
+
+class HostBuffers:
+    """Host tensors reused from one save to the next (a fresh 1 GB allocation costs as much as the copy)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def copy(self, key: str, src: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``src`` (as ``dtype``) into the buffer kept under ``key``; non-blocking from a CUDA device."""
+        dtype = dtype or src.dtype
+        buf = self.buffers.get(key)
+        if buf is None or buf.shape != src.shape or buf.dtype != dtype:
+            buf = torch.empty(src.shape, dtype=dtype, pin_memory=self.pin)
+            self.buffers[key] = buf
+        return buf.copy_(src.detach(), non_blocking=self.pin)
+
+
+def _model_copies(named: dict[str, nn.Parameter], optimizer: ShardedOptimizerState, buffers: HostBuffers,
+                  keep: bool, gathers: bool) -> dict[str, torch.Tensor]:
+    """The weights this rank writes. ZeRO 3 (``gathers``): the optimizer's own copies, one gathered unit at
+    a time, a collective every DP rank joins; otherwise straight from the parameters into ``buffers``."""
+    if gathers:
+        copies = optimizer.host_copies(keep=keep)
+        return {n: copies[p] for n, p in named.items()} if keep else {}
+    optimizer.wait_param_gather()
+    return {n: buffers.copy(f"model/{n}", p) for n, p in named.items()} if keep else {}
+
+
+def _optim_copies(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter],
+                  buffers: HostBuffers) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """This rank's master weights and moments in fp32 (as ``save_checkpoint`` writes them), with their ranges."""
+    names = {id(p): n for n, p in named.items()}
+    tensors, ranges = {}, {}
+    for param, param_lo, views in optimizer.state_segments():  # disk offload: copied before the views move on
+        name = names[id(param)]
+        ranges[name] = [param_lo, param_lo + views["exp_avg"].numel()]
+        for kind in S.KINDS:
+            tensors[f"{name}/{kind}"] = buffers.copy(f"optim/{name}/{kind}", views[kind], torch.float32)
+    return tensors, ranges
+
+
+def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
+                  pstate: ParallelState, tp_rng: Any, buffers: HostBuffers, gathers: bool) -> Snapshot:
+    """Everything this rank writes, copied to the host now (the only part of a save that blocks the step)."""
+    named = S.named_parameters(chunks)
+    writes_model = pstate.dp_cp_rank == 0  # as save_checkpoint: one copy of each (tp, pp) slice
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    weights = _model_copies(named, optimizer, buffers, writes_model, gathers)
+    if writes_model:
+        files[storage.model_file(pstate.tp_rank, pstate.pp_rank)] = weights
+    optim_info = None
+    if writes_model or optimizer.shards_state_over_dp:
+        tensors, ranges = _optim_copies(optimizer, named, buffers)
+        fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)
+        files[fname] = tensors
+        optim_info = {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
+    files[storage.rng_file(pstate.rank)] = {k: t.clone() for k, t in S.rng_state(pstate, tp_rng).items()}
+    if buffers.pin:  # one sync for every non-blocking copy above
+        event = torch.cuda.Event()
+        event.record()
+        event.synchronize()
+    index = S._model_index(named, pstate) if writes_model else {}
+    return Snapshot(target, files, index, optim_info)
+
+
+def write_snapshot(snap: Snapshot) -> None:
+    """The background thread: write and fsync every file; record this rank's vote (never raises)."""
+    try:
+        staging = snap.target.staging
+        os.makedirs(staging, exist_ok=True)
+        bad: list[str] = []
+        for fname, tensors in snap.files.items():
+            bad += S.non_finite(tensors)
+            path = os.path.join(staging, fname)
+            S._write(tensors, path)
+            storage.fsync_path(path)
+        snap.piece = {"model": snap.model_index, "optim": snap.optim_info, "non_finite": bad, "error": None}
+    except Exception as err:  # noqa: BLE001 - voted by every rank when the save concludes
+        snap.error, snap.piece = err, S.failed_piece(err, snap.target.iteration)
+
+
+class AsyncCheckpointer:
+    """The trainer's ``save`` under --async-save: at most one save in flight per rank.
+
+    ``__call__`` (every rank, at the same iteration) concludes the previous save, snapshots and starts
+    the writer; ``poll`` (every rank, every step) concludes a save whose writers are all done;
+    ``finish`` (every rank) waits for and concludes it; ``close`` (an error exit) only waits.
+    """
+
+    def __init__(self, root: str, *, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
+                 optimizer: ShardedOptimizerState, consumed: Callable[[], int], tp_rng: Any = None,
+                 keep_last: int | None = None, loaded: str | None = None,
+                 log: Callable[[str], None] = print) -> None:
+        self.root, self.cfg, self.plan, self.pstate = root, cfg, plan, pstate
+        self.chunks, self.optimizer, self.consumed, self.tp_rng = chunks, optimizer, consumed, tp_rng
+        self.keep_last, self.loaded, self.log = keep_last, loaded, log
+        self.buffers = HostBuffers(pstate.device)
+        self.pending: Snapshot | None = None
+
+    def __call__(self, iteration: int) -> None:
+        self.finish()  # the next save waits for the previous one
+        target = S.start_save(self.root, iteration, self.consumed(), self.optimizer, self.pstate)
+        snap = take_snapshot(target, self.chunks, self.optimizer, self.pstate, self.tp_rng, self.buffers,
+                             gathers=self.plan.zero.shards_parameters)
+        snap.thread = threading.Thread(target=write_snapshot, args=(snap,), daemon=True,
+                                       name=f"megazero-async-save-{iteration}")
+        self.pending = snap
+        snap.thread.start()
+
+    def poll(self) -> None:
+        """Conclude the pending save once every rank's writer is done (all ranks agree in one all-reduce)."""
+        if self.pending is None:
+            return
+        done = torch.tensor([float(not self.pending.thread.is_alive())], device=self.pstate.device)
+        C.all_reduce(done, self.pstate.world_group, op=dist.ReduceOp.MIN)
+        if done.item() > 0:
+            self.finish()
+
+    def finish(self) -> str | None:
+        """Wait for this rank's writer, vote, publish (rank 0); raises on every rank when any rank failed."""
+        snap, self.pending = self.pending, None
+        if snap is None:
+            return None
+        snap.thread.join()
+        pieces = C.all_gather_object(snap.piece, self.pstate.world_group)  # the barrier and the vote
+        return S.conclude(snap.target, pieces, snap.error, cfg=self.cfg, plan=self.plan, pstate=self.pstate,
+                          keep_last=self.keep_last, loaded=self.loaded, log=self.log)
+
+    def close(self) -> None:
+        """On an error exit: let the writer end, publish nothing (a collective could hang when the error
+        is this rank's alone); ``latest`` keeps naming the last good checkpoint."""
+        snap, self.pending = self.pending, None
+        if snap is None:
+            return
+        snap.thread.join()
+        if self.pstate.rank == 0:
+            self.log(f"megazero: --async-save: the checkpoint of iteration {snap.target.iteration} was not "
+                     f"published (the run stopped first); 'latest' still names the last good one")

@@ -1,0 +1,63 @@
+"""--async-save in-process: a saver over the serial test model, and a subprocess whose background write dies.
+
+`python -m tests.helpers.async_ckpt ROOT` publishes an async save of iteration 5, then starts one of
+iteration 9 whose writer half-writes the optimizer shard and hangs: it prints SAVE-RETURNED once
+the step is free again, HALF-WRITTEN once the shard is half written, and waits for the test's SIGKILL.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import torch
+
+from megazero.checkpoint.async_save import AsyncCheckpointer
+from megazero.optimizer.zero import DistributedOptimizer
+from megazero.parallel.state import ParallelState
+from megazero.run_plan import RunPlan
+from tests.helpers import serial_ckpt
+
+
+def saver_for(root: str, pstate: ParallelState, zero: int = 0, **kw: Any) -> AsyncCheckpointer:
+    """An ``AsyncCheckpointer`` over ``serial_ckpt``'s tiny model, its optimizer at ``zero`` over ``pstate``."""
+    cfg, _, chunks, _ = serial_ckpt.build()
+    optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=zero)
+    return AsyncCheckpointer(root, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
+                             chunks=chunks, optimizer=optimizer, consumed=lambda: 0, **kw)
+
+
+def _half_then_hang(written: threading.Event) -> None:
+    """Make the optimizer shard's write stop half way, forever (the test then SIGKILLs us)."""
+    import megazero.checkpoint.save as save_module
+
+    real = save_module.save_file
+
+    def half_then_hang(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)
+        if "optim" in path:
+            with open(path, "r+b") as fh:
+                fh.truncate(fh.seek(0, 2) // 2)
+            written.set()
+            time.sleep(600)
+
+    save_module.save_file = half_then_hang
+
+
+def _crash_mid_background_write(root: str) -> None:
+    saver = saver_for(root, ParallelState.serial())
+    saver(5)
+    saver.finish()
+    written = threading.Event()
+    _half_then_hang(written)
+    saver(9)
+    print("SAVE-RETURNED", flush=True)  # the step is free while the writer is still busy
+    written.wait(300)
+    print("HALF-WRITTEN", flush=True)
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _crash_mid_background_write(sys.argv[1])

@@ -316,17 +316,31 @@ class TrainingConfig:
     eval_interval: int = opt(0, "Evaluate every N iterations; 0 disables.", at_least=0)
     eval_iters: int = opt(2, "Global batches per evaluation (>= 1 when --eval-interval is set).", at_least=0)
     recompute: str = opt("none", "Activation recomputation: none; selective (re-run the attention core in "
-                         "backward); full (keep only each block's input, re-run the block).",
-                         choices=("none", "selective", "full"))
+                         "backward); full (keep only each block's input, re-run the block); auto (the memory "
+                         "planner picks the first of none, selective, full whose predicted peak per rank fits "
+                         "90% of the budget: --memory-budget-gb, else the GPU's memory, else this node's "
+                         "available memory / ranks on it; docs/memory_planner.md).",
+                         choices=("none", "selective", "full", "auto"))
+    memory_budget_gb: float | None = opt(None, "--recompute auto: memory per rank, in GiB, to fit (overrides what "
+                                         "the device reports); None = the device's.", above=0,
+                                         at_most=1024 * 1024)
     recompute_num_layers: int | None = opt(None, "With --recompute full: recompute only the first N blocks of "
                                            "each model chunk; None = all of them.", at_least=0)
     cross_entropy_chunk_size: int = opt(0, "Compute the output head and the loss fused, this many tokens at a time, "
                                         "so the fp32 logits are never held whole; 0 = the plain head then loss.",
                                         at_least=0)
+    compile: bool = opt(False, "torch.compile each transformer block's forward (regional: one compiled graph "
+                        "shared by all blocks, module hooks and recompute unchanged; docs/performance.md).")
+    compile_backend: str = opt("inductor", "--compile: the torch.compile backend; aot_eager traces the same graphs "
+                               "without generating code (tells a tracing problem from a codegen one).",
+                               choices=("inductor", "aot_eager", "eager"))
 
     def __post_init__(self) -> None:
-        require(self.recompute in ("none", "selective", "full"),
-                 f"--recompute must be none, selective or full, got {self.recompute!r}.")
+        require(self.recompute in ("none", "selective", "full", "auto"),
+                 f"--recompute must be none, selective, full or auto, got {self.recompute!r}.")
+        require(self.memory_budget_gb is None or self.recompute == "auto",
+                f"--memory-budget-gb {self.memory_budget_gb} only applies with --recompute auto (here "
+                f"{self.recompute}); drop it or pass --recompute auto.")
         check_bounds(self)
         require(self.eval_iters >= 1 or not self.eval_interval,
                 f"--eval-iters 0 with --eval-interval {self.eval_interval} evaluates no batch; pass --eval-iters "

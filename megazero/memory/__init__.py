@@ -7,7 +7,8 @@
 - ``plan``: both combined per pipeline stage (``plan_memory``, ``format_plan``);
 - ``offload``: device / host / disk bytes with ``--offload-optimizer``/``--offload-params``, and an
   assumption-based cost per step;
-- ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional).
+- ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional);
+- ``recompute_choice``: ``--recompute auto``, the cheapest recompute whose planned peak fits the budget.
 """
 from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro_batches, layer_terms
 from .grads import GradBytes, bucket_numels, grad_bytes

@@ -36,7 +36,10 @@ and its output. Full recompute keeps only ``s b h e / r`` per block.
 Per stage: the first adds token ids (s b 8, + s b for the TP>1 mask) and an
 embedding-dropout mask; the last adds the final norm, the head's input
 ``s b h e`` and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus
-targets (s b 9).
+targets (s b 9). With ``--cross-entropy-chunk-size c`` the fused head keeps
+instead the gradients it computed in forward: dh ``s b h e / r`` and an fp32
+dW ``V_pad / t x h x 4``; its logits are a transient of c tokens
+(``head_working_bytes``), not of s b.
 
 Context parallelism (cp > 1): every term above is per token, so s is the
 rank's S/cp tokens (measured: ``tests/memory/test_cp_memory.py``). What the CP
@@ -86,6 +89,7 @@ class ActivationSpec:
     cp: int = 1  # context-parallel size: each rank keeps seq_length / cp tokens of a sample
     cp_comm_type: str = "p2p"  # "p2p" (ring), "a2a" (Ulysses) or "a2a+p2p"
     cp_a2a: int = 1  # U: ranks per all-to-all group (1 ring only, cp all-to-all only)
+    ce_chunk_size: int = 0  # --cross-entropy-chunk-size: > 0, the fused head + loss, this many tokens at a time
 
     @property
     def shard(self) -> int:
@@ -192,9 +196,32 @@ def first_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
 
 
 def last_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
-    sb = a.tokens * a.micro_batch_size
+    sb, rows = a.tokens * a.micro_batch_size, cfg.padded_vocab_size(a.tp) // a.tp
+    if a.ce_chunk_size > 0:  # the fused head keeps its gradients, computed in forward: dh (sequence shard), fp32 dW
+        return {"final_norm": _norm_bytes(cfg, a), "head_grad_input": sb * cfg.hidden_size * a.dtype_bytes // a.shard,
+                "head_grad_weight_fp32": rows * cfg.hidden_size * 4}
     return {"final_norm": _norm_bytes(cfg, a), "head_input": sb * cfg.hidden_size * a.dtype_bytes,
-            "softmax_fp32": sb * cfg.padded_vocab_size(a.tp) // a.tp * 4, "targets": sb * 9}
+            "softmax_fp32": sb * rows * 4, "targets": sb * 9}
+
+
+def head_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
+    """Transient of the head and loss on the last stage, beyond what ``last_stage_terms`` keeps.
+
+    Plain path: the logits [tokens, V/t] and, unless they are fp32, the fp32 result of
+    ``logits - max`` that is copied into the softmax buffer (kept, so in ``last_stage_terms``).
+    Fused (``tensor_parallel/fused_cross_entropy.py``): one chunk of c tokens at a time: its
+    logits, which in fp32 are the softmax buffer too, else that buffer and the fp32 temporary
+    (measured: c V/t (e + 8)); later, in bf16/fp16, the softmax's cast for the GEMMs next to the
+    [V/t, h] product added into the fp32 dW; with sequence parallelism also the gathered input
+    and the full dh before its reduce-scatter (2 s b h e).
+    """
+    sb, rows, e = a.tokens * a.micro_batch_size, cfg.padded_vocab_size(a.tp) // a.tp, a.dtype_bytes
+    fp32_copy = 4 if e != 4 else 0
+    if a.ce_chunk_size <= 0:
+        return sb * rows * (e + fp32_copy)
+    chunk = min(a.ce_chunk_size, sb) * rows
+    working = max(chunk * (e + 2 * fp32_copy), chunk * e + rows * cfg.hidden_size * e if fp32_copy else 0)
+    return working + (2 * sb * cfg.hidden_size * e if a.shard > 1 else 0)
 
 
 def chunk_activation_bytes(cfg: ModelConfig, a: ActivationSpec, num_blocks: int, pre_process: bool,

@@ -13,13 +13,14 @@ leave the device: each stage also reports the host and disk bytes per rank.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import Config, ConfigError, ModelConfig, Placement
 from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering
-from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, in_flight_micro_batches,
-                          recompute_working_bytes)
+from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, head_working_bytes,
+                          in_flight_micro_batches, recompute_working_bytes)
 from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
@@ -86,10 +87,12 @@ class PlanSpec:
 
     def activation_spec(self) -> ActivationSpec:
         t = self.cfg.training
+        assert t.recompute != "auto", "resolve --recompute auto first (memory/recompute_choice.py)"
         return ActivationSpec(seq_length=self.model.seq_length, micro_batch_size=self.run.micro_batch_size,
                               tp=self.run.tp, sequence_parallel=self.sequence_parallel, recompute=t.recompute,
                               dtype_bytes=self.run.compute_dtype.itemsize, device=self.device, cp=self.run.cp,
-                              cp_comm_type=self.run.cp_comm_type, cp_a2a=self.run.cp_split.a2a)
+                              cp_comm_type=self.run.cp_comm_type, cp_a2a=self.run.cp_split.a2a,
+                              ce_chunk_size=t.cross_entropy_chunk_size)
 
     @property
     def shard_ranks(self) -> int:
@@ -197,10 +200,9 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     for pre, post in chunks:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
-    # the logits and, unless they are fp32 already, their fp32 copy for the cross entropy
-    logit_bytes = a.dtype_bytes + (4 if a.dtype_bytes != 4 else 0)
-    logits = a.tokens * a.micro_batch_size * run.padded_vocab_size // run.tp * logit_bytes
-    transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a), logits if last else 0)
+    # the logits (all of them, or one chunk with --cross-entropy-chunk-size) and their fp32 copy
+    transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a),
+                    head_working_bytes(cfg, a) if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight,
                      params_bytes=state.params - off.params_device, grads_bytes=state.grads,
@@ -372,6 +374,12 @@ def planned_world(cfg: Config, dp: int) -> int:
 
 
 def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
-    """The plan of a training run on ``world_size`` ranks (the trainer's ``RunPlan.resolve``)."""
-    cfg = with_vocabulary(cfg)
-    return plan_memory(PlanSpec.for_world(cfg, world_size, planned_device(cfg)))
+    """The plan of a training run on ``world_size`` ranks (the trainer's ``RunPlan.resolve``); with
+    --recompute auto, of the mode the run would choose (``recompute_choice.py``; --memory-budget-gb, or this
+    machine's memory)."""
+    from .recompute_choice import resolve_recompute  # it plans each mode with this module
+
+    spec = PlanSpec.for_world(with_vocabulary(cfg), world_size, planned_device(cfg))
+    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cfg, choice = resolve_recompute(spec.cfg, spec.run, spec.device, ranks_on_node)
+    return plan_memory(PlanSpec.from_plan(cfg, spec.run, spec.device) if choice else spec)

@@ -55,13 +55,19 @@ def checkpoint_with_rng(fn: Callable[..., Any], rng: DropoutRNG | None, streams:
     return checkpoint(run, *args, use_reentrant=False)
 
 
+def block_body(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A block's forward without recompute: its compiled body under --compile (``model/compile.py``)."""
+    compiled = block.__dict__.get("compiled_forward")
+    return compiled if compiled is not None else types.MethodType(type(block).forward, block)
+
+
 def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Forward of a ``TransformerBlock`` that keeps only ``x`` for backward."""
-    plain = type(block).forward
+    body = block_body(block)
     if not torch.is_grad_enabled():
-        return plain(block, x)
+        return body(x)
     streams = block.ctx.dropout_streams(block.layer_id)
-    return checkpoint_with_rng(lambda inp: plain(block, inp), block.ctx.rng, streams, x)
+    return checkpoint_with_rng(body, block.ctx.rng, streams, x)
 
 
 def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,

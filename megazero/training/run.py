@@ -10,16 +10,21 @@ from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
+from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import save_checkpoint
 from ..config import Config
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
+from ..memory.recompute_choice import resolve_recompute
+from ..model.compile import apply_compile, report_once
 from ..model.recompute import apply_recompute
+from ..model.sdpa import describe_attention
 from ..optimizer.accounting import memory_records
 from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from ..parallel.layout import check_tp_inside_nodes, contiguous_nodes, describe_nodes
@@ -80,6 +85,8 @@ def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
     for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
         apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
+        if cfg.training.compile:  # --compile: each block's forward body, inside the recompute wrappers and hooks
+            apply_compile(chunk, cfg.training.compile_backend)
     return chunks
 
 
@@ -129,9 +136,18 @@ def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module]
 
 
 def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-           batches: MicroBatchIterator, rng: DropoutRNG, loaded: str | None = None):
+           batches: MicroBatchIterator, rng: DropoutRNG, loaded: str | None = None, owned: ExitStack | None = None):
+    """The trainer's ``save(iteration)``; --async-save: an ``AsyncCheckpointer`` whose writer an error exit
+    waits for (``owned``), publishing nothing."""
     if not cfg.checkpoint.save:
         return None
+    if cfg.checkpoint.async_save:
+        saver = AsyncCheckpointer(cfg.checkpoint.save, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks,
+                                  optimizer=optimizer, consumed=lambda: batches.consumed_samples, tp_rng=rng,
+                                  keep_last=cfg.checkpoint.keep_last, loaded=loaded)
+        if owned is not None:
+            owned.callback(saver.close)
+        return saver
 
     def save(iteration: int) -> None:
         optimizer.wait_param_gather()
@@ -194,7 +210,10 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
         start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng) if found else (0, 0)
         loaded = found[0] if found else None
-        return _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded).train()
+        trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
+        if cfg.training.compile:  # graphs compile during the first step; say how long that took, once
+            trainer.train_step = report_once(trainer.train_step, sum(len(c.layers) for c in chunks), say)
+        return trainer.train()
 
 
 def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
@@ -202,6 +221,7 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
     """The data, the run's plan (the vocabulary is known once the tokenizer is read) and the seeds."""
     cfg, data = _data(cfg, pstate.rank, say, found)
     plan = RunPlan.resolve(cfg, plan.world_size)
+    cfg = _resolve_recompute(cfg, plan, pstate, say)  # --recompute auto: before the model is built
     if cfg.checkpoint.load and not found:  # the restart idiom, first start
         say(f"megazero: --load {cfg.checkpoint.load} is the --save folder and holds no checkpoint yet; "
             f"starting from scratch (a restart will resume from its latest checkpoint)")
@@ -211,7 +231,23 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
     seed_everything(cfg.training.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
         f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")
+    say("megazero: " + describe_attention(cfg.model, plan.compute_dtype, pstate.device, plan.tp, plan.cp,
+                                          plan.cp_comm_type))
     return cfg, plan, data
+
+
+def _resolve_recompute(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable) -> Config:
+    """--recompute auto: the planner's cheapest mode that fits the smallest budget over the ranks
+    (``memory/recompute_choice.py``), so every rank chooses the same; one line on rank 0 says why."""
+    def smallest(budget: float) -> float:
+        t = torch.tensor([budget], dtype=torch.float64, device=pstate.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return float(t.item())
+
+    cfg, choice = resolve_recompute(cfg, plan, pstate.device.type, ranks_per_node_from_env(), agree=smallest)
+    if choice is not None:
+        say(choice.describe())
+    return cfg
 
 
 def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
@@ -232,4 +268,4 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
                    start_iteration=start, eval_batches=eval_batches,
-                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, rng, loaded), wandb=wandb)
+                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, rng, loaded, owned), wandb=wandb)

@@ -31,3 +31,17 @@ def peak_allocated_bytes(fn: Callable[[], object]) -> int:
             _times, sizes = json.load(f)  # sizes: per time, bytes by category (parameter, activation, ...)
     assert sizes, "the profiler recorded no CPU allocation"
     return max(sum(per_category) for per_category in sizes)
+
+
+def peak_live_bytes(fn: Callable[[], object]) -> int:
+    """Most CPU bytes ``fn`` holds at once beyond what was live before, from the profiler's raw allocation
+    and free events in time order (the timeline export above also counts what it cannot attribute)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak

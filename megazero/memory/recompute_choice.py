@@ -1,0 +1,115 @@
+"""``--recompute auto``: the cheapest activation recompute whose planned peak fits the memory budget.
+
+Recompute costs compute (selective re-runs the attention core, full every block's forward), so
+the modes are tried cheapest first, none -> selective -> full, and the first whose predicted
+peak per rank (``plan_memory``, the stage that needs the most) fits ``1 - MARGIN`` of the
+budget wins. The margin covers what the plan leaves out: the allocator's fragmentation and
+cached blocks, CUDA's context and workspaces, the planner's own error (docs/memory_planner.md).
+When no mode fits, full (the least memory) is chosen and the line says so: the plan is an
+estimate, so the run is tried rather than refused.
+
+The budget per rank: ``--memory-budget-gb`` when given; on CUDA the GPU's total memory; on the
+CPU this node's MemAvailable divided by the ranks on it (torchrun's LOCAL_WORLD_SIZE). A run
+agrees on the smallest budget over its ranks before choosing, so every rank picks the same mode.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..config import Config, ConfigError
+from ..run_plan import RunPlan
+from .plan import GIB, PlanSpec, plan_memory
+
+MARGIN = 0.10  # of the budget, left free
+MODES = ("none", "selective", "full")  # cheapest compute first
+
+
+@dataclass(frozen=True)
+class RecomputeChoice:
+    """The mode chosen, and the predicted peak per rank (bytes) of every mode tried, in order."""
+
+    mode: str
+    budget_bytes: float
+    source: str  # where the budget came from, in words
+    tried: tuple[tuple[str, float], ...]
+
+    @property
+    def usable_bytes(self) -> float:
+        return (1 - MARGIN) * self.budget_bytes
+
+    def describe(self) -> str:
+        """One line: the choice and why (each mode's predicted peak against the usable budget)."""
+        usable = self.usable_bytes / GIB
+        marks = ", ".join(f"{m} {peak / GIB:.2f} {'<=' if peak <= self.usable_bytes else '>'} {usable:.2f} GiB"
+                          for m, peak in self.tried)
+        why = "it fits" if self.tried[-1][1] <= self.usable_bytes else "nothing fits; full needs the least"
+        return (f"megazero: --recompute auto chose {self.mode} ({why}): predicted peak per rank {marks} "
+                f"(budget {self.budget_bytes / GIB:.2f} GiB from {self.source}, less a {MARGIN:.0%} margin)")
+
+
+def choose_recompute(cfg: Config, run: RunPlan, device: str, budget_bytes: float, source: str) -> RecomputeChoice:
+    """The first of none, selective, full whose planned peak per rank fits ``1 - MARGIN`` of the budget."""
+    if not budget_bytes > 0:
+        raise ConfigError(f"--recompute auto needs a memory budget above 0 ({source} gave {budget_bytes:.0f} "
+                          f"bytes); pass --memory-budget-gb.")
+    tried: list[tuple[str, float]] = []
+    for mode in MODES:
+        peak = plan_memory(PlanSpec.from_plan(_with_mode(cfg, mode), run, device)).peak.total_bytes
+        tried.append((mode, peak))
+        if peak <= (1 - MARGIN) * budget_bytes:
+            break
+    return RecomputeChoice(mode=tried[-1][0], budget_bytes=budget_bytes, source=source, tried=tuple(tried))
+
+
+def device_budget(cfg: Config, device: str, ranks_on_node: int = 1) -> tuple[float, str]:
+    """(bytes per rank, where from): --memory-budget-gb, the GPU's total memory, or MemAvailable / ranks."""
+    gb = cfg.training.memory_budget_gb
+    if gb is not None:
+        return gb * GIB, "--memory-budget-gb"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("--recompute auto plans for a GPU but none is visible here; pass --memory-budget-gb "
+                              "(the GPU's memory in GiB).")
+        return float(torch.cuda.mem_get_info()[1]), f"the GPU's total memory ({torch.cuda.get_device_name()})"
+    available = _mem_available()
+    if available is None:
+        raise ConfigError("--recompute auto cannot read this host's available memory (/proc/meminfo); pass "
+                          "--memory-budget-gb.")
+    return available / ranks_on_node, f"MemAvailable / {ranks_on_node} rank(s) on this node"
+
+
+def _mem_available() -> float | None:
+    """Linux's estimate of the memory new allocations can get without swapping, in bytes."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # kB
+    except OSError:
+        return None
+    return None
+
+
+def resolve_recompute(cfg: Config, run: RunPlan, device: str, ranks_on_node: int = 1,
+                      agree: Callable[[float], float] = lambda b: b) -> tuple[Config, RecomputeChoice | None]:
+    """``cfg`` with --recompute auto replaced by the chosen mode, and the choice (None when not auto).
+
+    ``agree`` turns this rank's budget into the one every rank uses (a run: the minimum over ranks).
+    """
+    if cfg.training.recompute != "auto":
+        return cfg, None
+    budget, source = device_budget(cfg, device, ranks_on_node)
+    agreed = agree(budget)
+    if agreed < budget:
+        source += ", the smallest over the ranks"
+    choice = choose_recompute(cfg, run, device, agreed, source)
+    return _with_mode(cfg, choice.mode), choice
+
+
+def _with_mode(cfg: Config, mode: str) -> Config:
+    """``cfg`` with a concrete recompute mode (the budget only means something to auto, so it goes)."""
+    return cfg.updated(recompute=mode, memory_budget_gb=None)

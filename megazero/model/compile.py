@@ -1,0 +1,124 @@
+"""Regional ``torch.compile`` (``--compile``): each transformer block's forward, applied to built chunks from outside.
+
+Why regional: compiling the whole model makes compile time grow with depth and
+hides the module boundaries that ZeRO 3 (forward pre/post hooks per unit),
+recompute (checkpoint wrappers per block) and pipeline stages (a chunk per
+stage) are built on. Here only ``TransformerBlock.forward`` - the body, not
+``block.__call__`` - is compiled, so every module hook still fires in eager
+around it. All blocks run the same code object with the same guards, so they
+share one compiled graph (one compile per distinct input shape / grad mode,
+not per layer); ``dynamic=False`` because a run's activation shapes are fixed.
+
+What stays eager (a graph break; everything else of the block is one graph):
+
+- *Dropout that draws.* A block draws its masks from its layer's streams
+  (``DropoutRNG.fork`` swaps the stream into the default generator), which
+  dynamo cannot trace, and inductor's own RNG would draw different masks than
+  eager anyway. So with ``hidden_dropout`` / ``attention_dropout`` > 0 the
+  drawing call (``_dropout``, ``core_attention``) runs eager, exactly as
+  without ``--compile``. At dropout 0 nothing is drawn, so compiled blocks get
+  a context without streams (``rng=None``): the fork would be a no-op that
+  only breaks the graph. Those layers' streams are then never created, which
+  a checkpoint records as "never drawn" - the same state.
+- *Selective recompute*: the checkpointed attention core (``recompute.py``).
+- *Context parallelism*: the attention core's ring / all-to-all collectives.
+- *Tensor parallelism*: the TP layers' communicating autograd Functions
+  (``tensor_parallel/comm.py``, ``layers.py``) are not traceable; dynamo breaks
+  around each, so a TP block compiles into the regions between its collectives.
+
+Full recompute checkpoints the compiled body (``recompute.block_body``), so the
+recompute in backward runs the same compiled code. ``fullgraph=True`` wherever
+none of the above applies (tp 1, dropout 0, recompute none/full, cp 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .transformer import TransformerBlock
+
+
+def blocks_of(model: nn.Module) -> list[TransformerBlock]:
+    """The transformer blocks of a built model chunk, in order."""
+    return [m for m in model.modules() if isinstance(m, TransformerBlock)]
+
+
+def eager_sites(block: TransformerBlock) -> list[str]:
+    """What of ``block`` runs eager under --compile (see the module docstring); empty means one graph.
+
+    The attention core forks its layer's stream whenever the context has streams (even to draw
+    nothing), runs CP collectives, or is recompute's checkpoint wrapper.
+    """
+    sites = ["_dropout"] if block.cfg.hidden_dropout > 0.0 else []
+    if block.ctx.rng is not None or block.ctx.cp.active or "core_attention" in block.attention.__dict__:
+        sites.append("attention.core_attention")
+    return sites
+
+
+def _run_eager(owner: nn.Module, name: str) -> None:
+    """Make ``owner.name`` (a method, or the instance wrapper recompute put there) a graph break that runs eager."""
+    fn = getattr(owner, name)
+    setattr(owner, name, torch.compiler.disable(fn, recursive=True))
+
+
+def compile_block(block: TransformerBlock, backend: str = "inductor") -> bool:
+    """Compile ``block``'s forward body in place; returns whether it is one graph (``fullgraph``).
+
+    The compiled body is ``block.compiled_forward``; ``block.forward`` becomes it unless recompute put
+    its own wrapper there (full recompute then checkpoints the compiled body, ``recompute.block_body``).
+    """
+    if "compiled_forward" in block.__dict__:
+        raise ValueError("--compile: block already compiled; apply_compile runs once per built chunk.")
+    draws = block.cfg.hidden_dropout > 0.0 or block.cfg.attention_dropout > 0.0
+    if not draws and block.ctx.rng is not None:  # nothing is drawn: drop the fork that would break the graph
+        ctx = dataclasses.replace(block.ctx, rng=None)
+        block.ctx = block.attention.ctx = ctx
+    sites = eager_sites(block)
+    for site in sites:
+        owner, _, name = site.rpartition(".")
+        _run_eager(block.get_submodule(owner) if owner else block, name)
+    fullgraph = not sites and block.ctx.tp == 1
+    body = types.MethodType(type(block).forward, block)
+    block.compiled_forward = torch.compile(body, fullgraph=fullgraph, dynamic=False, backend=backend)
+    if "forward" not in block.__dict__:
+        block.forward = block.compiled_forward
+    return fullgraph
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
+    """Compile every block of ``model`` (a built chunk); returns how many.
+
+    Call it after ``apply_recompute``, whose wrappers it keeps (a later ``apply_recompute`` would drop
+    the compiled ``forward``).
+    """
+    blocks = blocks_of(model)
+    for block in blocks:
+        compile_block(block, backend)
+    return len(blocks)
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo and inductor have spent compiling in this process (forward and backward graphs)."""
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+    return sum(sum(metrics.get(k, [])) for k in keys)
+
+
+def report_once(step: Callable[[], Any], num_blocks: int, say: Callable[[str], None]) -> Callable[[], Any]:
+    """``step`` that, after its first call (where the forward and backward graphs compile), says how long
+    compiling took - once, at start-up."""
+    done = [False]
+
+    def first_then_plain() -> Any:
+        out = step()
+        if not done[0]:
+            done[0] = True
+            say(f"megazero: --compile: compiled {num_blocks} block(s) in {compile_seconds():.1f} s")
+        return out
+
+    return first_then_plain

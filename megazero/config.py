@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .config_fields import ConfigError, check_bounds, flag, opt, require  # noqa: F401 (ConfigError, flag: re-exported)
+from .model_config import ModelConfig  # noqa: F401 (re-exported: one import for every section)
 
 
 class Placement(str, enum.Enum):
@@ -147,109 +148,6 @@ class ParallelConfig:
         if self.cp_comm_type == "a2a":
             return self.cp
         return self.cp_a2a_size or 1
-
-
-@dataclass(frozen=True, kw_only=True)
-class ModelConfig:
-    arch: str = opt("gpt2", "Model family: gpt2 (learned positions, LayerNorm, GELU, tied embeddings, biases) "
-                    "or llama (RoPE, RMSNorm, SwiGLU, no biases, GQA).", choices=("gpt2", "llama"))
-    num_layers: int = opt(4, "Number of transformer blocks.", at_least=1)
-    hidden_size: int = opt(256, "Model width.", at_least=1)
-    num_attention_heads: int = opt(4, "Attention heads.", at_least=1)
-    num_query_groups: int | None = opt(None, "Key/value heads for grouped-query attention; None = one per head.",
-                                       at_least=1)
-    ffn_hidden_size: int | None = opt(None, "MLP width; None = 4*hidden (gpt2) or 8/3*hidden rounded to 64 (llama).",
-                                      at_least=1)
-    seq_length: int = opt(128, "Tokens per training sample.", at_least=1)
-    max_position_embeddings: int | None = opt(None, "Learned position table size (gpt2); None = --seq-length.",
-                                              at_least=1)
-    vocab_size: int | None = opt(None, "Tokenizer vocabulary; None = taken from the tokenizer.", at_least=1)
-    make_vocab_size_divisible_by: int = opt(128, "Pad the vocabulary to a multiple of this times --tp.", at_least=1)
-    hidden_dropout: float = opt(0.0, "Dropout after attention and MLP outputs and on embeddings.", at_least=0, below=1)
-    attention_dropout: float = opt(0.0, "Dropout on attention probabilities.", at_least=0, below=1)
-    norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.", above=0)
-    rotary_base: float = opt(10000.0, "RoPE base frequency (llama).", above=0)
-    rope_scaling_type: str | None = opt(None, "RoPE frequency scaling (llama): None = plain RoPE; llama3 = "
-                                        "Llama-3.1 scaling (HF rope_type 'llama3') set by the four flags below.",
-                                        choices=("llama3",))
-    rope_scaling_factor: float = opt(8.0, "llama3 RoPE scaling: low frequencies are divided by this (HF factor).")
-    rope_scaling_low_freq_factor: float = opt(1.0, "llama3 RoPE scaling: wavelengths above original length / this "
-                                              "are divided by the factor (HF low_freq_factor).")
-    rope_scaling_high_freq_factor: float = opt(4.0, "llama3 RoPE scaling: wavelengths below original length / this "
-                                               "are kept; between the two they are blended (HF high_freq_factor).")
-    rope_scaling_original_max_position_embeddings: int = opt(
-        8192, "llama3 RoPE scaling: context length the model was first trained at (HF "
-        "original_max_position_embeddings).")
-    untie_embeddings_and_output_weights: bool | None = opt(
-        None, "Separate output head; None = tied for gpt2, untied for llama.")
-    init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).",
-                                 above=0)
-
-    def __post_init__(self) -> None:
-        check_bounds(self)
-        require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
-        require(self.hidden_size % self.num_attention_heads == 0,
-                 f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension.")
-        groups = self.query_groups
-        require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
-                 f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
-                 f"({groups}); use a divisor of the head count.")
-        require(self.position_table_size >= self.seq_length,
-                 f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
-                 f"({self.seq_length}).")
-        self._check_rope_scaling()
-
-    def _check_rope_scaling(self) -> None:
-        """Scaling values must make sense, and never be given without a type that uses them."""
-        kind = self.rope_scaling_type
-        require(kind in (None, "llama3"), f"--rope-scaling-type must be llama3 or omitted, got {kind!r}.")
-        require(kind is None or self.arch == "llama",
-                 f"--rope-scaling-type {kind} needs --arch llama (gpt2 has no RoPE); drop the flag.")
-        values = (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
-                  self.rope_scaling_original_max_position_embeddings)
-        require(kind is not None or values == (8.0, 1.0, 4.0, 8192),
-                 "--rope-scaling-factor/-low-freq-factor/-high-freq-factor/-original-max-position-embeddings "
-                 "only apply with --rope-scaling-type llama3; add it or drop them.")
-        require(self.rope_scaling_factor >= 1.0,
-                 f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}.")
-        require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,
-                 f"--rope-scaling-low-freq-factor ({self.rope_scaling_low_freq_factor}) must be > 0 and below "
-                 f"--rope-scaling-high-freq-factor ({self.rope_scaling_high_freq_factor}).")
-        require(self.rope_scaling_original_max_position_embeddings >= 1,
-                 f"--rope-scaling-original-max-position-embeddings must be >= 1, got "
-                 f"{self.rope_scaling_original_max_position_embeddings}.")
-
-    @property
-    def query_groups(self) -> int:
-        return self.num_query_groups or self.num_attention_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.ffn_hidden_size is not None:
-            return self.ffn_hidden_size
-        if self.arch == "gpt2":
-            return 4 * self.hidden_size
-        return 64 * -(-(8 * self.hidden_size // 3) // 64)
-
-    @property
-    def tied_embeddings(self) -> bool:
-        untie = self.untie_embeddings_and_output_weights
-        return (self.arch == "gpt2") if untie is None else not untie
-
-    @property
-    def position_table_size(self) -> int:
-        return self.max_position_embeddings or self.seq_length
-
-    def padded_vocab_size(self, tp: int) -> int:
-        """Vocabulary rounded up so every TP rank holds an equal, aligned slice."""
-        assert self.vocab_size is not None, "vocab_size is set from the tokenizer before the model is built"
-        multiple = self.make_vocab_size_divisible_by * tp
-        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,26 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
 from megazero.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy  # noqa: E402
 from megazero.tensor_parallel.layers import column_parallel_linear  # noqa: E402
+from tests.helpers.peak_memory import peak_live_bytes  # noqa: E402
 
 MB = 1e6
-
-
-def peak_live_bytes(fn) -> int:
-    """Most CPU bytes ``fn`` holds at once beyond what was live before (raw allocator events in time order)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def head_and_loss(tokens: int, vocab: int, hidden: int, chunk: int):

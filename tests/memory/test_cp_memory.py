@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import pretrain_gpt
 from megazero.config import Config
@@ -34,6 +33,7 @@ from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.run import build_model_chunks
 from tests.helpers.dist import spawn
+from tests.helpers.peak_memory import peak_live_bytes
 from tests.helpers.saved_tensors import SavedTensorMeter
 from tests.helpers.step_meter import measure_steps
 
@@ -79,20 +79,6 @@ def saved_bytes(pstate: ParallelState, cases: list[tuple] = ACT_CASES) -> list[t
         spec = PlanSpec.from_plan(cfg, plan, "cpu").activation_spec()
         out.append((meter.bytes, chunk_activation_bytes(cfg.model, spec, cfg.model.num_layers, True, True)))
     return out
-
-
-def peak_live_bytes(fn) -> int:
-    """Most CPU bytes ``fn`` holds at once beyond what was live before, from the profiler's raw allocation
-    and free events in time order (its memory-timeline export rejects the CP attention's graph)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def step_peaks(pstate: ParallelState) -> list[tuple[int, float]]:

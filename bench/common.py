@@ -27,6 +27,16 @@ if ROOT not in sys.path:
 
 MODEL = dict(arch="gpt2", num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=4096)
 GLOBAL_BATCH = 16
+# Other workloads for the TP rows (--shape; "default" is MODEL above): (model settings, global batch).
+SHAPES: dict[str, tuple[dict, int]] = {
+    "default": (dict(MODEL), GLOBAL_BATCH),
+    "small": (dict(arch="gpt2", num_layers=2, hidden_size=128, num_attention_heads=4, seq_length=256,
+                   vocab_size=2048), 32),
+    "gpt2-small": (dict(arch="gpt2", num_layers=4, hidden_size=384, num_attention_heads=6, seq_length=256,
+                        vocab_size=16384), 8),
+    "llama-gqa": (dict(arch="llama", num_layers=4, hidden_size=384, num_attention_heads=6, num_query_groups=2,
+                       ffn_hidden_size=1024, seq_length=256, vocab_size=8192), 8),
+}
 SEED = 1234
 LR = 3e-4
 WEIGHT_DECAY = 0.01
@@ -55,6 +65,16 @@ class Workload:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--warmup", type=int, default=WARMUP)
+
+
+def use_shape(name: str) -> None:
+    """Make ``SHAPES[name]`` the workload of this process (MODEL and GLOBAL_BATCH), before anything is built."""
+    global GLOBAL_BATCH
+    if name not in SHAPES:
+        raise ValueError(f"--shape {name!r} is not one of {sorted(SHAPES)}")
+    settings, GLOBAL_BATCH = SHAPES[name]
+    MODEL.clear()
+    MODEL.update(settings)
 
 
 def tokens(total_steps: int) -> torch.Tensor:
@@ -218,9 +238,12 @@ def maybe_profile(step: int, work: Workload, prof=None):
     if not os.environ.get("BENCH_PROFILE") or (dist.is_initialized() and dist.get_rank() != rank):
         return None
     if step == work.warmup:
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        shapes = os.environ["BENCH_PROFILE"] == "shapes"  # BENCH_PROFILE=shapes: top ops per input shape
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=shapes)
         prof.__enter__()
     elif step == work.total and prof is not None:
         prof.__exit__(None, None, None)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr)
+        by_shape = os.environ["BENCH_PROFILE"] == "shapes"
+        print(prof.key_averages(group_by_input_shape=by_shape).table(sort_by="self_cpu_time_total", row_limit=25),
+              file=sys.stderr)
     return prof

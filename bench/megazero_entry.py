@@ -51,12 +51,14 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-size", type=int, default=0)
     parser.add_argument("--no-reshard", action="store_true", help="ZeRO 3: keep units gathered until backward")
     parser.add_argument("--name", default="megazero")
+    parser.add_argument("--shape", default="default", help="a workload of bench/common.py SHAPES")
     common.add_workload_args(parser)
     return parser.parse_args()
 
 
 def main() -> None:
     args = _parse_args()
+    common.use_shape(args.shape)
     work = common.Workload(args.steps, args.warmup)
     from megazero.training.host_memory import keep_freed_host_memory
 

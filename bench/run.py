@@ -1,6 +1,7 @@
 """megazero against its peers on one fixed workload: one table, plus JSON.
 
     python bench/run.py [--repeats 5] [--groups dp,tp,pp2,pp4] [--json bench/results.json]
+    python bench/run.py --groups tp --shape llama-gqa     # the TP rows on another workload
 
 Each entry is its own world of ranks (OMP_NUM_THREADS=1, gloo). Within a row
 group the entries run round-robin, repeat after repeat (A B C A B C ...), so
@@ -247,9 +248,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results.json"))
+    parser.add_argument("--only", default="", help="comma-separated entry names to run (default: every entry)")
+    parser.add_argument("--shape", default="default",
+                        help="workload of bench/common.py SHAPES; other than default only for --groups tp")
     args = parser.parse_args()
+    if args.shape != "default" and args.groups != "tp":
+        parser.error(f"--shape {args.shape} applies to --groups tp only (the other peers run the default shape)")
     extra = [*(["--steps", str(args.steps)] if args.steps else []),
-             *(["--warmup", str(args.warmup)] if args.warmup else [])]
+             *(["--warmup", str(args.warmup)] if args.warmup else []),
+             *(["--shape", args.shape] if args.shape != "default" else [])]
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     serial = launch(Entry("serial", MZ, [], 1), extra)
     if "error" in serial:
@@ -259,7 +266,8 @@ def main() -> None:
     all_groups = groups()
     for g in args.groups.split(","):
         log(f"group {g}:")
-        results.update(run_group(all_groups[g], args.repeats, extra, log))
+        keep = [e for e in all_groups[g] if not args.only or e.name in args.only.split(",")]
+        results.update(run_group(keep, args.repeats, extra, log))
     checks = compare(results, serial["losses"])
     out = {"command": "python bench/run.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
            "load_avg": os.getloadavg(), "seconds": time.time() - started, "repeats": args.repeats,

@@ -1,10 +1,13 @@
-"""Tensor-parallel peers on 2 ranks, on the plain GPT-2 (``plain_gpt.py``) with megazero's weights.
+"""Tensor-parallel peers on 2 ranks, on the plain GPT-2 / Llama (``plain_gpt.py``) with megazero's weights.
 
     --impl dtensor   torch.distributed.tensor.parallel: ColwiseParallel (qkv, fc1), RowwiseParallel
                      (proj, fc2), a vocab-sharded embedding (RowwiseParallel) reused as the tied head
                      (Shard(-1) logits) and loss_parallel cross-entropy.
-    --impl megatron  megatron-core ColumnParallelLinear / RowParallelLinear, VocabParallelEmbedding and
+    --impl megatron  megatron-core ColumnParallelLinear / RowParallelLinear, VocabParallelEmbedding, a
+                     ColumnParallelLinear output layer (given the embedding weight when tied) and
                      vocab_parallel_cross_entropy (use_cpu_initialization, gloo).
+
+``--shape`` picks a workload of ``bench/common.py`` SHAPES.
 
 Both shard what megazero's TP shards (the vocabulary included), train with torch
 AdamW (decay on matrices) and clip at 1.0 using the TP-aware global norm.
@@ -48,17 +51,26 @@ def build_dtensor(rank: int, world: int):
     mesh = init_device_mesh("cpu", (world,))
     model = PlainGPT(cfg)
     model.word = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    if not cfg.tied_embeddings:
+        model.output = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     model.load_state_dict(weights)
     plan = {"word": RowwiseParallel(input_layouts=Replicate())}
     for i in range(cfg.num_layers):
         plan.update({f"layers.{i}.qkv": ColwiseParallel(), f"layers.{i}.fc1": ColwiseParallel(),
                      f"layers.{i}.proj": RowwiseParallel(), f"layers.{i}.fc2": RowwiseParallel()})
+        if cfg.arch == "llama":
+            plan[f"layers.{i}.gate"] = ColwiseParallel()
+    if not cfg.tied_embeddings:
+        plan["output"] = ColwiseParallel(use_local_output=False)  # Shard(-1) logits
     parallelize_module(model, mesh, plan)
 
     def loss_fn(tokens: torch.Tensor) -> torch.Tensor:
         x = model.body(model.word(tokens[:, :-1]))
-        x = DTensor.from_local(x, mesh, [Replicate()])
-        logits = F.linear(x, model.word.weight)  # Shard(-1): vocab-sharded
+        if cfg.tied_embeddings:
+            x = DTensor.from_local(x, mesh, [Replicate()])
+            logits = F.linear(x, model.word.weight)  # Shard(-1): vocab-sharded
+        else:
+            logits = model.output(x)
         with loss_parallel():
             loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             loss.backward()
@@ -74,7 +86,6 @@ def build_megatron(rank: int, world: int):
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                                vocab_parallel_cross_entropy)
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     mcfg = ModelParallelConfig(tensor_model_parallel_size=world, use_cpu_initialization=True,
@@ -82,26 +93,29 @@ def build_megatron(rank: int, world: int):
     init = torch.nn.init.zeros_
 
     class Col(torch.nn.Module):
-        def __init__(self, n_in: int, n_out: int) -> None:
+        def __init__(self, n_in: int, n_out: int, bias: bool, skip_weight: bool = False) -> None:
             super().__init__()
-            self.inner = ColumnParallelLinear(n_in, n_out, config=mcfg, init_method=init, bias=True,
-                                              gather_output=False)
+            self.inner = ColumnParallelLinear(n_in, n_out, config=mcfg, init_method=init, bias=bias,
+                                              gather_output=False, skip_weight_param_allocation=skip_weight)
 
-        def forward(self, x):
-            return self.inner(x)[0]
+        def forward(self, x, weight=None):
+            return self.inner(x, weight=weight)[0]
 
     class Row(torch.nn.Module):
-        def __init__(self, n_in: int, n_out: int) -> None:
+        def __init__(self, n_in: int, n_out: int, bias: bool) -> None:
             super().__init__()
-            self.inner = RowParallelLinear(n_in, n_out, config=mcfg, init_method=init, bias=True,
+            self.inner = RowParallelLinear(n_in, n_out, config=mcfg, init_method=init, bias=bias,
                                            input_is_parallel=True, skip_bias_add=False)
 
         def forward(self, x):
             return self.inner(x)[0]
 
     cfg = common.model_config()
-    model = PlainGPT(cfg, lambda kind, n_in, n_out: Col(n_in, n_out) if kind == "column" else Row(n_in, n_out))
+    model = PlainGPT(cfg, lambda kind, n_in, n_out, bias: (Col if kind == "column" else Row)(n_in, n_out, bias))
     model.word = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, init_method=init, config=mcfg)
+    # the output layer as Megatron's GPTModel builds it: a ColumnParallelLinear, given the shared
+    # embedding weight when tied (its input-gradient all-reduce overlaps the weight-gradient GEMM)
+    model.output = Col(cfg.hidden_size, cfg.vocab_size, False, skip_weight=cfg.tied_embeddings)
     weights = megazero_weights(common.serial_model())
     names = {n.replace(".inner", ""): p for n, p in model.named_parameters()}
     with torch.no_grad():
@@ -110,14 +124,14 @@ def build_megatron(rank: int, world: int):
 
     def loss_fn(tokens: torch.Tensor) -> torch.Tensor:
         x = model.body(model.word(tokens[:, :-1]))
-        logits = F.linear(copy_to_tensor_model_parallel_region(x), model.word.weight)
+        logits = model.output(x, model.word.weight if cfg.tied_embeddings else None)
         loss = vocab_parallel_cross_entropy(logits, tokens[:, 1:]).mean()
         loss.backward()
         return loss
 
     params = list(model.parameters())
-    split = {"qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias", "proj.weight", "fc2.weight", "word.weight"}
-    sharded = [n.replace(".inner", "").split(".", 2)[-1] in split or n == "word.weight"
+    split = {"qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias", "gate.weight", "proj.weight", "fc2.weight"}
+    sharded = [n.replace(".inner", "").split(".", 2)[-1] in split or n in ("word.weight", "output.inner.weight")
                for n, _ in model.named_parameters()]
     return loss_fn, model, params, sharded
 
@@ -138,7 +152,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--impl", choices=("dtensor", "megatron"), required=True)
     common.add_workload_args(parser)
+    parser.add_argument("--shape", default="default", help="a workload of bench/common.py SHAPES")
     args = parser.parse_args()
+    common.use_shape(args.shape)
     work = common.Workload(args.steps, args.warmup)
     rank, world = common.init_world()
     loss_fn, model, params, sharded = (build_dtensor if args.impl == "dtensor" else build_megatron)(rank, world)

@@ -12,13 +12,13 @@ in backward without holding the memory in between - FSDP's approach.
 
 Per unit and micro-batch (hooks, so the model code does not change):
 
-    forward pre-hook    gather (wait for the prefetched all-gather, or issue it), then
-                        issue the all-gathers of the next ``prefetch`` units
+    forward pre-hook    issue the unit's all-gather unless prefetched, issue the next
+                        ``prefetch`` units' all-gathers, then wait for the unit's
     forward post-hook   free - unless the unit is kept until its backward
                         (``reshard_after_forward=False``, and always the root unit,
                         whose head runs last in forward and first in backward); a
                         hook on the unit's output marks where its backward starts
-    pre-backward        gather again; issue the gathers of the previous ``prefetch`` units
+    pre-backward        gather again (issue, prefetch the previous ``prefetch`` units, wait)
     post-backward       (the unit's last parameter gradient has accumulated) free it;
                         the gradient engine reduce-scatters its buckets as they complete
 
@@ -218,8 +218,11 @@ class ParameterUnits:
     # -- hooks -----------------------------------------------------------------------------------
     def _pre_forward_hook(self, chunk: list[Unit], unit: Unit):
         def hook(module: nn.Module, args: tuple) -> None:
-            self.gather(unit, "forward")
+            # issue this unit's gather (if not prefetched) and the next ones' before waiting, so the
+            # first units of a step (the root, then block 1) travel together instead of one after another
+            self.gather(unit, "forward", wait=False)
             self._prefetch(chunk, range(unit.index + 1, unit.index + 1 + self.gathering.prefetch), "forward")
+            self.gather(unit, "forward")
 
         return hook
 
@@ -239,10 +242,11 @@ class ParameterUnits:
 
     def _pre_backward_hook(self, chunk: list[Unit], unit: Unit):
         def hook(grad: torch.Tensor) -> None:
-            self.gather(unit, "backward")
+            self.gather(unit, "backward", wait=False)  # as in forward: issue, prefetch, then wait
             # backward runs the units in reverse forward order; the root's head runs first, then the last block
             start = len(chunk) - 1 if unit.root else unit.index - 1
             self._prefetch(chunk, range(start, start - self.gathering.prefetch, -1), "backward")
+            self.gather(unit, "backward")
 
         return hook
 

@@ -134,7 +134,9 @@ class Attention(nn.Module):
         if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
             return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp)
         dropout = self.cfg.attention_dropout if self.training else 0.0
-        with self.ctx.fork_rng(self.layer_id, tensor_parallel=True):
+        # p = 0 draws nothing: skip swapping the stream's RNG state in and out (4 state copies per layer)
+        rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
+        with rng:
             return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=self.heads_per_group > 1)
 

@@ -262,7 +262,7 @@ class VocabParallelEmbedding(nn.Module):
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.rows_per_rank)
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)  # in place: a fresh lookup nothing else holds
         return reduce_from_tensor_parallel_region(out, self.tp_group)
 
 

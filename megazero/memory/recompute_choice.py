@@ -14,7 +14,6 @@ agrees on the smallest budget over its ranks before choosing, so every rank pick
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
 

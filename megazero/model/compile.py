@@ -33,7 +33,6 @@ none of the above applies (tp 1, dropout 0, recompute none/full, cp 1).
 from __future__ import annotations
 
 import dataclasses
-import time
 import types
 from typing import Any, Callable
 

@@ -19,7 +19,7 @@ from megazero.config import ModelConfig
 from megazero.model.compile import apply_compile, compile_block
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
-from megazero.model.transformer import TPContext, TransformerBlock
+from megazero.model.transformer import TPContext
 from megazero.tensor_parallel.layers import initialize_parameters
 from megazero.tensor_parallel.random import DropoutRNG
 from tests.helpers.launch import launch

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from megazero.config import ConfigError
 from megazero.model.flops import flops_per_token
+from tests.helpers.compare import precision_errors
 from tests.helpers.cp_runs import CPRun, make_cfg, run_many, serial_reference
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import compare_runs
@@ -61,18 +62,8 @@ def test_cp2_ring_and_ulysses_match_serial():
     results = spawn(run_many, 2, [*runs, *low.values()], cp=2)
     check(results, runs)
     for precision, run in low.items():  # against one process in the same precision
-        errs = [low_precision_errors(per_rank[run.key], serial_reference(run.cfg)) for per_rank in results]
+        errs = [precision_errors(per_rank[run.key], serial_reference(run.cfg)) for per_rank in results]
         assert max(max(e) for e in errs) <= UNIT[precision] / 2, (precision, errs)
-
-
-def low_precision_errors(run: dict, ref: dict) -> tuple[float, float]:
-    """(worst relative loss / grad-norm error over the steps, norm-wise relative error of all weights):
-    one rounding in bf16 weights is already 2^-8 of an entry, so single entries are not compared."""
-    scalars = max(abs(r[k] - e[k]) / abs(e[k]) for r, e in zip(run["records"], ref["records"])
-                  for k in ("loss", "grad_norm"))
-    diff = sum(float((w.double() - ref["params"][n].double()).pow(2).sum()) for n, w in run["params"].items())
-    size = sum(float(ref["params"][n].double().pow(2).sum()) for n in run["params"])
-    return scalars, (diff / size) ** 0.5
 
 
 def test_cp4_tp_pp_dp_zero_layouts_match_serial():

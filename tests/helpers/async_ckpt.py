@@ -28,29 +28,12 @@ def saver_for(root: str, pstate: ParallelState, zero: int = 0, **kw: Any) -> Asy
                              chunks=chunks, optimizer=optimizer, consumed=lambda: 0, **kw)
 
 
-def _half_then_hang(written: threading.Event) -> None:
-    """Make the optimizer shard's write stop half way, forever (the test then SIGKILLs us)."""
-    import megazero.checkpoint.save as save_module
-
-    real = save_module.save_file
-
-    def half_then_hang(tensors, path, *args, **kwargs):
-        real(tensors, path, *args, **kwargs)
-        if "optim" in path:
-            with open(path, "r+b") as fh:
-                fh.truncate(fh.seek(0, 2) // 2)
-            written.set()
-            time.sleep(600)
-
-    save_module.save_file = half_then_hang
-
-
 def _crash_mid_background_write(root: str) -> None:
     saver = saver_for(root, ParallelState.serial())
     saver(5)
     saver.finish()
     written = threading.Event()
-    _half_then_hang(written)
+    serial_ckpt.hang_mid_write(written.set)
     saver(9)
     print("SAVE-RETURNED", flush=True)  # the step is free while the writer is still busy
     written.wait(300)

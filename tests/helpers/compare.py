@@ -32,3 +32,15 @@ def full_grads(module: torch.nn.Module, group) -> dict[str, torch.Tensor]:
 
 def full_params(module: torch.nn.Module, group) -> dict[str, torch.Tensor]:
     return {name: gather_full(p.data, spec_of(p).split_dim, group) for name, p in module.named_parameters()}
+
+
+def precision_errors(run: dict, ref: dict) -> tuple[float, float]:
+    """(worst relative loss / grad-norm error over the steps, norm-wise relative error of all the weights) of
+    two runs' ``records`` and ``params``: one rounding of a bf16 weight is already 2^-8 of an entry, so
+    reduced-precision runs are compared as a whole, not entry by entry."""
+    assert len(run["records"]) == len(ref["records"])
+    scalars = max(abs(r[k] - e[k]) / abs(e[k]) for r, e in zip(run["records"], ref["records"])
+                  for k in ("loss", "grad_norm"))
+    diff = sum(float((w.double() - ref["params"][name].double()).pow(2).sum()) for name, w in run["params"].items())
+    size = sum(float(ref["params"][name].double().pow(2).sum()) for name in run["params"])
+    return scalars, (diff / size) ** 0.5

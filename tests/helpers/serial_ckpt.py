@@ -50,8 +50,9 @@ def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
 
 
-def _hang_mid_write() -> None:
-    """Make the optimizer shard's write stop half way, forever (the test then SIGKILLs us)."""
+def hang_mid_write(on_half_written=lambda: print("HALF-WRITTEN", flush=True)) -> None:
+    """Make the optimizer shard's write stop half way, forever (the test then SIGKILLs us);
+    ``on_half_written`` runs once the shard is half on disk (by default it says so on stdout)."""
     import time
 
     import megazero.checkpoint.save as save_module
@@ -63,7 +64,7 @@ def _hang_mid_write() -> None:
         if "optim" in path:
             with open(path, "r+b") as fh:
                 fh.truncate(fh.seek(0, 2) // 2)
-            print("HALF-WRITTEN", flush=True)
+            on_half_written()
             time.sleep(600)
 
     save_module.save_file = half_then_hang
@@ -71,6 +72,6 @@ def _hang_mid_write() -> None:
 
 if __name__ == "__main__":
     if "--hang-mid-write" in sys.argv:
-        _hang_mid_write()
+        hang_mid_write()
     torch.set_num_threads(1)
     print(save(sys.argv[1], int(sys.argv[2])), flush=True)

@@ -16,6 +16,7 @@ differ by 3 u of fp16 (checked below), so an fp16 layout that lost precision wou
 from __future__ import annotations
 
 from megazero.parallel.state import ParallelState
+from tests.helpers.compare import precision_errors
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import make_cfg, train
 
@@ -29,16 +30,6 @@ def run_all(pstate) -> dict:
     return {key: train(pstate, make_cfg(**kw)) for key, kw in RUNS.items()}
 
 
-def _errors(run: dict, ref: dict) -> tuple[float, float]:
-    """(worst relative loss / grad-norm error over the steps, norm-wise relative error of the weights)."""
-    assert len(run["records"]) == len(ref["records"])
-    scalars = max(abs(r[k] - e[k]) / abs(e[k]) for r, e in zip(run["records"], ref["records"])
-                  for k in ("loss", "grad_norm"))
-    diff = sum(float((w.double() - ref["params"][name].double()).pow(2).sum()) for name, w in run["params"].items())
-    size = sum(float(ref["params"][name].double().pow(2).sum()) for name in run["params"])
-    return scalars, (diff / size) ** 0.5
-
-
 def test_bf16_fp16_tp2_pp2_dp2_match_serial():
     serial = {p: train(ParallelState.serial(), make_cfg(zero=0, mbs=8, clip=1.0, **PRECISION[p]))
               for p in PRECISION}
@@ -46,9 +37,9 @@ def test_bf16_fp16_tp2_pp2_dp2_match_serial():
     for rank, per_run in enumerate(spawn(run_all, 8, tp=2, pp=2)):
         for (precision, zero), run in per_run.items():
             assert not any(r["skipped"] for r in run["records"]), (precision, zero, run["records"])
-            errs = _errors(run, serial[precision])
+            errs = precision_errors(run, serial[precision])
             if max(errs) > UNIT[precision] / 2:
                 bad[(rank, precision, zero)] = [e / UNIT[precision] for e in errs]
     assert not bad, f"(scalars, weights) errors in units of roundoff: {bad}"
-    apart = _errors(serial["fp16"], serial["bf16"])[1]
+    apart = precision_errors(serial["fp16"], serial["bf16"])[1]
     assert apart > UNIT["fp16"] / 2, f"bf16 and fp16 runs differ by only {apart}: the fp16 bound has no teeth"

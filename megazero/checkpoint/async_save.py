@@ -111,7 +111,7 @@ def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: Shar
         event = torch.cuda.Event()
         event.record()
         event.synchronize()
-    index = S._model_index(named, pstate) if writes_model else {}
+    index = S.model_index(named, pstate) if writes_model else {}
     return Snapshot(target, files, index, optim_info)
 
 
@@ -124,7 +124,7 @@ def write_snapshot(snap: Snapshot) -> None:
         for fname, tensors in snap.files.items():
             bad += S.non_finite(tensors)
             path = os.path.join(staging, fname)
-            S._write(tensors, path)
+            S.write_tensors(tensors, path)
             storage.fsync_path(path)
         snap.piece = {"model": snap.model_index, "optim": snap.optim_info, "non_finite": bad, "error": None}
     except Exception as err:  # noqa: BLE001 - voted by every rank when the save concludes

@@ -62,7 +62,8 @@ def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def _model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[str, Any]:
+def model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[str, Any]:
+    """What metadata.json records of this rank's weights: full shape, TP split, region and file of each."""
     index = {}
     for name, p in named.items():
         shape = list(full_shape(p, pstate.tp))
@@ -95,11 +96,11 @@ def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Param
             tensors[f"{name}/{kind}"] = views[kind].detach().clone() if transient else views[kind].detach()
     bad = non_finite(tensors)
     fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # its shard of dp x cp
-    _write({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
+    write_tensors({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
     return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}, bad
 
 
-def _write(tensors: dict[str, torch.Tensor], path: str) -> None:
+def write_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     """``save_file``, failing as an OSError that names the file (safetensors raises its own
     SafetensorError for a full disk or a size limit, which would print as a traceback)."""
     try:
@@ -158,13 +159,13 @@ def _write_rank(staging: str, named: dict[str, nn.Parameter], copies: dict, opti
     if writes_model:
         weights = {n: copies[p] for n, p in named.items()}
         bad = non_finite(weights)
-        _write(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
+        write_tensors(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
     optim_info = None
     if writes_model or optimizer.shards_state_over_dp:
         optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
         bad += optim_bad
-    _write(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
-    return {"model": _model_index(named, pstate) if writes_model else {}, "optim": optim_info,
+    write_tensors(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
+    return {"model": model_index(named, pstate) if writes_model else {}, "optim": optim_info,
             "non_finite": bad, "error": None}
 
 

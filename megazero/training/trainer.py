@@ -110,7 +110,8 @@ class Trainer:
         self.iteration = start_iteration
         self.skipped = self.nan_iterations = self.consecutive_skips = 0  # see _count
         t = cfg.training
-        self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)
+        self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)  # what runs
+        self.model_flops_per_token = flops_per_token(cfg.model)  # MFU's numerator leaves recompute out (PaLM)
         self.peak_tflops = device_peak_tflops(pstate.device)
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
@@ -154,6 +155,13 @@ class Trainer:
                 f"finite; lower --lr (now peak {self.cfg.optimizer.lr}) or check the data, or raise "
                 f"--max-skipped-steps (now {limit}; 0 = never stop).")
 
+    def _mfu(self, tokens_per_step: int, elapsed: float) -> float | None:
+        """Model FLOPs (no recomputation) per second per device over the device's peak; None without one."""
+        if not self.peak_tflops:
+            return None
+        model = achieved_tflops(self.model_flops_per_token, tokens_per_step, elapsed, self.pstate.layout.world_size)
+        return model / self.peak_tflops
+
     def _record(self, loss: float, result: Any, lr: float, elapsed: float) -> dict[str, Any]:
         t = self.cfg.training
         tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
@@ -164,7 +172,7 @@ class Trainer:
             "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
             "skipped_iterations": self.skipped, "nan_iterations": self.nan_iterations,
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
-            "tflops_per_device": tflops, "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
+            "tflops_per_device": tflops, "mfu": self._mfu(tokens_per_step, elapsed),
             "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
         }
         if self.cfg.logging.log_timers:

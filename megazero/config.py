@@ -240,6 +240,9 @@ class TrainingConfig:
                 f"--memory-budget-gb {self.memory_budget_gb} only applies with --recompute auto (here "
                 f"{self.recompute}); drop it or pass --recompute auto.")
         check_bounds(self)
+        require(self.recompute_num_layers is None or self.recompute in ("full", "auto"),
+                f"--recompute-num-layers {self.recompute_num_layers} only applies with --recompute full (here "
+                f"{self.recompute}); drop it or pass --recompute full.")
         require(self.eval_iters >= 1 or not self.eval_interval,
                 f"--eval-iters 0 with --eval-interval {self.eval_interval} evaluates no batch; pass --eval-iters "
                 f">= 1, or --eval-interval 0 to turn evaluation off.")
@@ -284,6 +287,11 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
+        idle = [flag for flag, on in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
+                                      ("--async-save", self.async_save)) if on]
+        require(self.save is not None or not idle,
+                f"{', '.join(idle)} without --save: nothing would be saved; add --save DIR (the checkpoint folder) "
+                f"or drop {'them' if len(idle) > 1 else 'it'}.")
 
 
 def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:

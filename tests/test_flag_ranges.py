@@ -38,6 +38,10 @@ BAD = [  # (flags, the flag the one line must name)
     (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by"),
     (["--lr", "nan"], "--lr"),
     (["--lr", "inf"], "--lr"),
+    (["--save-interval", "10"], "--save-interval without --save"),  # nothing would be saved
+    (["--keep-last", "2", "--async-save"], "--keep-last, --async-save without --save"),
+    (["--load", "ckpt", "--async-save"], "--async-save without --save"),
+    (["--recompute", "selective", "--recompute-num-layers", "2"], "--recompute-num-layers 2 only applies"),
     (["--lr-wsd-decay-fraction", "2"], "--lr-wsd-decay-fraction"),
     (["--norm-epsilon", "0"], "--norm-epsilon"),
     (["--init-method-std", "-1"], "--init-method-std"),
@@ -65,7 +69,8 @@ def test_out_of_range_flag_is_one_line_naming_it(flags, name):
 @pytest.mark.parametrize("flags", [["--eval-iters", "0"], ["--lr-warmup-fraction", "1"], ["--adam-beta1", "0"],
                                    ["--weight-decay", "0"], ["--lr-warmup-iters", "500", "--train-iters", "20"],
                                    ["--lr-warmup-iters", "50", "--lr-decay-iters", "40", "--lr-decay-style",
-                                    "constant"]])
+                                    "constant"], ["--save", "ckpt", "--save-interval", "5", "--keep-last", "1",
+                                                  "--async-save"]])
 def test_edge_values_that_work_are_accepted(flags):
     """The edges stay open: no evaluation, a whole-run warm-up (a short test run of a preset), beta 0."""
     parse_config(flags)

@@ -110,5 +110,7 @@ def resolve_recompute(cfg: Config, run: RunPlan, device: str, ranks_on_node: int
 
 
 def _with_mode(cfg: Config, mode: str) -> Config:
-    """``cfg`` with a concrete recompute mode (the budget only means something to auto, so it goes)."""
-    return cfg.updated(recompute=mode, memory_budget_gb=None)
+    """``cfg`` with a concrete recompute mode (the budget only means something to auto, so it goes, and
+    --recompute-num-layers only to full)."""
+    layers = cfg.training.recompute_num_layers if mode == "full" else None
+    return cfg.updated(recompute=mode, memory_budget_gb=None, recompute_num_layers=layers)

@@ -287,7 +287,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_bounds(self)
-        idle = [flag for flag, on in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
+        idle = [name for name, on in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
                                       ("--async-save", self.async_save)) if on]
         require(self.save is not None or not idle,
                 f"{', '.join(idle)} without --save: nothing would be saved; add --save DIR (the checkpoint folder) "

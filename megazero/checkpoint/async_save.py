@@ -19,7 +19,6 @@ Until the conclusion the files sit in ``iter_N.tmp-<stamp>/``: a crash (or an er
 """
 from __future__ import annotations
 
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,7 +33,6 @@ from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from . import save as S
-from . import storage
 
 
 @dataclass
@@ -78,35 +76,14 @@ def _model_copies(named: dict[str, nn.Parameter], optimizer: ShardedOptimizerSta
     return {n: buffers.copy(f"model/{n}", p) for n, p in named.items()} if keep else {}
 
 
-def _optim_copies(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter],
-                  buffers: HostBuffers) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
-    """This rank's master weights and moments in fp32 (as ``save_checkpoint`` writes them), with their ranges."""
-    names = {id(p): n for n, p in named.items()}
-    tensors, ranges = {}, {}
-    for param, param_lo, views in optimizer.state_segments():  # disk offload: copied before the views move on
-        name = names[id(param)]
-        ranges[name] = [param_lo, param_lo + views["exp_avg"].numel()]
-        for kind in S.KINDS:
-            tensors[f"{name}/{kind}"] = buffers.copy(f"optim/{name}/{kind}", views[kind], torch.float32)
-    return tensors, ranges
-
-
 def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
                   pstate: ParallelState, tp_rng: Any, buffers: HostBuffers, gathers: bool) -> Snapshot:
     """Everything this rank writes, copied to the host now (the only part of a save that blocks the step)."""
     named = S.named_parameters(chunks)
     writes_model = pstate.dp_cp_rank == 0  # as save_checkpoint: one copy of each (tp, pp) slice
-    files: dict[str, dict[str, torch.Tensor]] = {}
     weights = _model_copies(named, optimizer, buffers, writes_model, gathers)
-    if writes_model:
-        files[storage.model_file(pstate.tp_rank, pstate.pp_rank)] = weights
-    optim_info = None
-    if writes_model or optimizer.shards_state_over_dp:
-        tensors, ranges = _optim_copies(optimizer, named, buffers)
-        fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)
-        files[fname] = tensors
-        optim_info = {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
-    files[storage.rng_file(pstate.rank)] = {k: t.clone() for k, t in S.rng_state(pstate, tp_rng).items()}
+    files, optim_info = S.rank_files(named, weights, optimizer, pstate, tp_rng,
+                                     lambda key, view: buffers.copy(f"optim/{key}", view, torch.float32))
     if buffers.pin:  # one sync for every non-blocking copy above
         event = torch.cuda.Event()
         event.record()
@@ -118,14 +95,7 @@ def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: Shar
 def write_snapshot(snap: Snapshot) -> None:
     """The background thread: write and fsync every file; record this rank's vote (never raises)."""
     try:
-        staging = snap.target.staging
-        os.makedirs(staging, exist_ok=True)
-        bad: list[str] = []
-        for fname, tensors in snap.files.items():
-            bad += S.non_finite(tensors)
-            path = os.path.join(staging, fname)
-            S.write_tensors(tensors, path)
-            storage.fsync_path(path)
+        bad = S.write_files(snap.target.staging, snap.files, fsync=True)
         snap.piece = {"model": snap.model_index, "optim": snap.optim_info, "non_finite": bad, "error": None}
     except Exception as err:  # noqa: BLE001 - voted by every rank when the save concludes
         snap.error, snap.piece = err, S.failed_piece(err, snap.target.iteration)

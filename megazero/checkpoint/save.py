@@ -82,22 +82,51 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, ok in zip(tensors, finite) if not ok]
 
 
-def _write_optimizer(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter], staging: str,
-                     pstate: ParallelState) -> tuple[dict[str, Any], list[str]]:
-    """Write this rank's master weights and moments; returns their index entry and any non-finite names."""
+def optimizer_tensors(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter],
+                      take: Callable[[str, torch.Tensor], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's master weights and moments as ``<param>/<kind>`` -> ``take(key, view)`` (a copy made now:
+    under disk offload the views move on), and each parameter's [lo, hi) range in its flat shard."""
     names = {id(p): n for n, p in named.items()}
     tensors, ranges = {}, {}
-    transient = optimizer.state_views_transient  # disk offload reuses its buffers
     for param, param_lo, views in optimizer.state_segments():
         name = names[id(param)]
-        n = views["exp_avg"].numel()
-        ranges[name] = [param_lo, param_lo + n]
+        ranges[name] = [param_lo, param_lo + views["exp_avg"].numel()]
         for kind in KINDS:
-            tensors[f"{name}/{kind}"] = views[kind].detach().clone() if transient else views[kind].detach()
-    bad = non_finite(tensors)
-    fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # its shard of dp x cp
-    write_tensors({k: t.float().contiguous().cpu() for k, t in tensors.items()}, os.path.join(staging, fname))
-    return {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}, bad
+            key = f"{name}/{kind}"
+            tensors[key] = take(key, views[kind].detach())
+    return tensors, ranges
+
+
+def rank_files(named: dict[str, nn.Parameter], weights: dict[str, torch.Tensor], optimizer: ShardedOptimizerState,
+               pstate: ParallelState, tp_rng: Any, take: Callable[[str, torch.Tensor], torch.Tensor]
+               ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any] | None]:
+    """Every file this rank owns (file name -> tensors) and its optimizer index entry, for a synchronous
+    save and an --async-save alike. ``weights``: the model copies, when this rank writes the model."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    writes_model = pstate.dp_cp_rank == 0  # one copy of each (tp, pp) slice: DP and CP ranks hold the same
+    if writes_model:
+        files[storage.model_file(pstate.tp_rank, pstate.pp_rank)] = weights
+    optim_info = None
+    if writes_model or optimizer.shards_state_over_dp:
+        tensors, ranges = optimizer_tensors(optimizer, named, take)
+        fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # its shard of dp x cp
+        files[fname] = tensors
+        optim_info = {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
+    files[storage.rng_file(pstate.rank)] = {k: t.clone() for k, t in rng_state(pstate, tp_rng).items()}
+    return files, optim_info
+
+
+def write_files(staging: str, files: dict[str, dict[str, torch.Tensor]], fsync: bool = False) -> list[str]:
+    """Write ``files`` into ``staging`` (with ``fsync``: each made durable); the names holding NaN/inf."""
+    os.makedirs(staging, exist_ok=True)
+    bad: list[str] = []
+    for fname, tensors in files.items():
+        bad += non_finite(tensors)
+        path = os.path.join(staging, fname)
+        write_tensors(tensors, path)
+        if fsync:
+            storage.fsync_path(path)
+    return bad
 
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -153,18 +182,15 @@ def _refuse(pieces: list[dict], staging: str, iteration: int, pstate: ParallelSt
 def _write_rank(staging: str, named: dict[str, nn.Parameter], copies: dict, optimizer: ShardedOptimizerState,
                 pstate: ParallelState, tp_rng: Any) -> dict[str, Any]:
     """Every file this rank owns, into ``staging``; its index entries and the names holding NaN/inf."""
-    os.makedirs(staging, exist_ok=True)
-    bad: list[str] = []
-    writes_model = pstate.dp_cp_rank == 0  # one copy of each (tp, pp) slice: DP and CP ranks hold the same
-    if writes_model:
-        weights = {n: copies[p] for n, p in named.items()}
-        bad = non_finite(weights)
-        write_tensors(weights, os.path.join(staging, storage.model_file(pstate.tp_rank, pstate.pp_rank)))
-    optim_info = None
-    if writes_model or optimizer.shards_state_over_dp:
-        optim_info, optim_bad = _write_optimizer(optimizer, named, staging, pstate)
-        bad += optim_bad
-    write_tensors(rng_state(pstate, tp_rng), os.path.join(staging, storage.rng_file(pstate.rank)))
+    writes_model = pstate.dp_cp_rank == 0
+    weights = {n: copies[p] for n, p in named.items()} if writes_model else {}
+    transient = optimizer.state_views_transient  # disk offload reuses its buffers
+
+    def take(key: str, view: torch.Tensor) -> torch.Tensor:
+        return (view.clone() if transient else view).float().contiguous().cpu()
+
+    files, optim_info = rank_files(named, weights, optimizer, pstate, tp_rng, take)
+    bad = write_files(staging, files)
     return {"model": model_index(named, pstate) if writes_model else {}, "optim": optim_info,
             "non_finite": bad, "error": None}
 

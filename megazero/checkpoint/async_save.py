@@ -95,7 +95,7 @@ def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: Shar
 def write_snapshot(snap: Snapshot) -> None:
     """The background thread: write and fsync every file; record this rank's vote (never raises)."""
     try:
-        bad = S.write_files(snap.target.staging, snap.files, fsync=True)
+        bad = S.write_files(snap.target.staging, snap.files)
         snap.piece = {"model": snap.model_index, "optim": snap.optim_info, "non_finite": bad, "error": None}
     except Exception as err:  # noqa: BLE001 - voted by every rank when the save concludes
         snap.error, snap.piece = err, S.failed_piece(err, snap.target.iteration)

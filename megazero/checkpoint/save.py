@@ -7,6 +7,7 @@
   piece is a flat range of the TP-local parameter (ZeRO 0 keeps full state on
   every DP rank, so only DP rank 0 writes it);
 - RNG states: one small file per rank (exact resume in the same layout);
+- every file is fsynced before the vote, so what rank 0 publishes is on disk;
 - metadata.json (rank 0, last): config, layout, iteration, consumed samples,
   optimizer scalars, and an index of each tensor's full shape and the region
   or flat range each file holds - what resharding on load needs.
@@ -116,16 +117,16 @@ def rank_files(named: dict[str, nn.Parameter], weights: dict[str, torch.Tensor],
     return files, optim_info
 
 
-def write_files(staging: str, files: dict[str, dict[str, torch.Tensor]], fsync: bool = False) -> list[str]:
-    """Write ``files`` into ``staging`` (with ``fsync``: each made durable); the names holding NaN/inf."""
+def write_files(staging: str, files: dict[str, dict[str, torch.Tensor]]) -> list[str]:
+    """Write ``files`` into ``staging``, each fsynced (the folder rename that publishes them does not make
+    their data durable); the names holding NaN/inf."""
     os.makedirs(staging, exist_ok=True)
     bad: list[str] = []
     for fname, tensors in files.items():
         bad += non_finite(tensors)
         path = os.path.join(staging, fname)
         write_tensors(tensors, path)
-        if fsync:
-            storage.fsync_path(path)
+        storage.fsync_path(path)
     return bad
 
 

@@ -31,7 +31,7 @@ def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
     kind, is_list = _scalar_type(annotation)
     names = [flag(f.name), *f.metadata.get("aliases", ())]
     default = f.default if f.default is not MISSING else None
-    helptext = f"{f.metadata['help']} (default: {default})"
+    helptext = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
     if kind is bool:
         group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=helptext)

@@ -82,6 +82,10 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "ZeRO 1/2: all-gather updated weights asynchronously and wait for "
                                      "each bucket only in the next forward that uses it (ZeRO 3 always gathers "
                                      "per unit in forward, overlapped by --zero3-prefetch).")
+    reduce_every_micro_batch: bool = opt(False, "ZeRO 2: reduce-scatter each micro-batch's gradients into this rank's "
+                                         "shard as its buckets fill (DeepSpeed's way), so no full-size gradient "
+                                         "outlives a bucket under accumulation (2 + 14/N bytes per parameter at any "
+                                         "micro-batch count), at m reduce-scatters per step instead of one.")
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
         "None or 1 = one chunk.", at_least=1)

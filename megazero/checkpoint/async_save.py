@@ -10,12 +10,13 @@ A save costs a copy (memory bandwidth) and a write (the disk). Only the copy sta
    folder, each fsynced. The thread runs no collective: gloo and NCCL need every rank to issue its
    collectives in one order, which a thread racing the training loop's own collectives cannot promise.
 3. **conclude** (main thread, at a point every rank reaches in the same step): once every rank's writer is
-   done (``poll``: one tiny all-reduce per step while a save is pending), or at the next save, the end of
-   training or a signal's save (``finish``: waits), the vote and rank 0's publish are ``save_checkpoint``'s
-   own (``save.conclude``): ``metadata.json``, the rename, ``latest``, --keep-last.
+   done (``poll``: one tiny all-reduce per step while a save is pending), or at the next save or any orderly
+   stop of the trainer - the end of training, a signal, a diverged run (``finish``: waits) - the vote and
+   rank 0's publish are ``save_checkpoint``'s own (``save.conclude``): ``metadata.json``, the rename,
+   ``latest``, --keep-last.
 
-Until the conclusion the files sit in ``iter_N.tmp-<stamp>/``: a crash (or an error exit, ``close``) leaves
-``latest`` naming the last good checkpoint, and the next save removes the leftover folder.
+Until the conclusion the files sit in ``iter_N.tmp-<stamp>/``: a crash (or an error exit that only some
+ranks may share, ``close``) leaves ``latest`` as it was, and the next save removes the leftover folder.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def write_snapshot(snap: Snapshot) -> None:
         bad = S.write_files(snap.target.staging, snap.files)
         snap.piece = {"model": snap.model_index, "optim": snap.optim_info, "non_finite": bad, "error": None}
     except Exception as err:  # noqa: BLE001 - voted by every rank when the save concludes
-        snap.error, snap.piece = err, S.failed_piece(err, snap.target.iteration)
+        snap.error, snap.piece = err, S.failed_piece(err, snap.target)
 
 
 class AsyncCheckpointer:
@@ -149,12 +150,14 @@ class AsyncCheckpointer:
                           keep_last=self.keep_last, loaded=self.loaded, log=self.log)
 
     def close(self) -> None:
-        """On an error exit: let the writer end, publish nothing (a collective could hang when the error
-        is this rank's alone); ``latest`` keeps naming the last good checkpoint."""
+        """On an error exit that not every rank may share: let the writer end, publish nothing (a collective
+        could hang when the error is this rank's alone), and say what ``latest`` names on disk. Every orderly
+        stop (the end, a signal, a diverged run) has already concluded the save with ``finish``."""
         snap, self.pending = self.pending, None
         if snap is None:
             return
         snap.thread.join()
         if self.pstate.rank == 0:
             self.log(f"megazero: --async-save: the checkpoint of iteration {snap.target.iteration} was not "
-                     f"published (the run stopped first); 'latest' still names the last good one")
+                     f"published (the run stopped on an error before every rank confirmed its write); "
+                     f"{S.describe_latest(self.root)}; the next save removes {snap.target.staging}")

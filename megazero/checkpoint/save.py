@@ -143,13 +143,22 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
         raise OSError(num, os.strerror(num) if code else str(err), path) from None
 
 
-def _describe(err: BaseException, iteration: int) -> tuple:
+def describe_latest(root: str) -> str:
+    """What ``root/latest`` names now, read from disk (a message about ``latest`` states, never assumes, it)."""
+    target = storage.latest_target(root)
+    if target is None:
+        return f"{root} holds no published checkpoint yet (no 'latest')"
+    return f"'latest' in {root} names {os.path.basename(target)}"
+
+
+def _describe(err: BaseException, target: SaveTarget) -> tuple:
     """A failed write as something every rank can receive (and re-raise) in one collective."""
     if isinstance(err, OSError):
-        reason = f"{err.strerror or err}; checkpoint of iteration {iteration} not saved, 'latest' still names " \
-                 f"the last good one"
+        reason = f"{err.strerror or err}; checkpoint of iteration {target.iteration} not saved, " \
+                 f"{describe_latest(target.root)}"
         return ("os", err.errno or errno.EIO, reason, err.filename)
-    return ("other", f"checkpoint of iteration {iteration} not saved: {type(err).__name__}: {err}")
+    return ("other", f"checkpoint of iteration {target.iteration} not saved: {type(err).__name__}: {err}; "
+                     f"{describe_latest(target.root)}")
 
 
 def _raise(what: tuple, own: BaseException | None) -> None:
@@ -161,22 +170,22 @@ def _raise(what: tuple, own: BaseException | None) -> None:
     raise RuntimeError(what[1])
 
 
-def _refuse(pieces: list[dict], staging: str, iteration: int, pstate: ParallelState,
-            own: BaseException | None) -> None:
+def _refuse(pieces: list[dict], target: SaveTarget, pstate: ParallelState, own: BaseException | None) -> None:
     """A failed write or a NaN/inf on any rank: the staging folder goes, every rank raises, nothing is published."""
     failed = [piece["error"] for piece in pieces if piece["error"] is not None]
     bad = [f"{name} (rank {rank})" for rank, piece in enumerate(pieces) for name in piece["non_finite"]]
     if not failed and not bad:
         return
     if pstate.rank == 0:
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(target.staging, ignore_errors=True)
     C.barrier(pstate.world_group)  # the staging folder is gone before any rank exits
     if failed:
         mine = pieces[pstate.rank]["error"]
         _raise(mine or failed[0], own)
     more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-    raise ValueError(f"checkpoint of iteration {iteration} not saved: non-finite values in {', '.join(bad[:3])}"
-                     f"{more}; the run diverged - 'latest' still names the last good checkpoint, resume from it "
+    restart = "resume from it" if storage.latest_target(target.root) else "start again"
+    raise ValueError(f"checkpoint of iteration {target.iteration} not saved: non-finite values in "
+                     f"{', '.join(bad[:3])}{more}; the run diverged - {describe_latest(target.root)}; {restart} "
                      f"(e.g. with a lower --lr).")
 
 
@@ -249,16 +258,16 @@ def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Co
     try:
         mine = _write_rank(staging, named, copies, optimizer, pstate, tp_rng)
     except Exception as err:  # noqa: BLE001 - reported to every rank in the all-gather below
-        own, mine = err, failed_piece(err, iteration)
+        own, mine = err, failed_piece(err, target)
     del copies
     pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the vote
     return conclude(target, pieces, own, cfg=cfg, plan=plan, pstate=pstate, keep_last=keep_last, loaded=loaded,
                     log=log)
 
 
-def failed_piece(err: BaseException, iteration: int) -> dict[str, Any]:
+def failed_piece(err: BaseException, target: SaveTarget) -> dict[str, Any]:
     """This rank's vote when its write failed."""
-    return {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, iteration)}
+    return {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, target)}
 
 
 def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, *, cfg: Config, plan: RunPlan,
@@ -269,7 +278,7 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
     Every rank calls it at the same point; it ends with a broadcast, so nobody moves on before the publish.
     """
     root, staging, iteration = target.root, target.staging, target.iteration
-    _refuse(pieces, staging, iteration, pstate, own)
+    _refuse(pieces, target, pstate, own)
     final, outcome = os.path.join(root, storage.iteration_dir(iteration)), None
     if pstate.rank == 0:
         try:
@@ -283,7 +292,7 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
                 log(f"megazero: --keep-last {keep_last}: removed {', '.join(removed)}")
         except Exception as err:  # noqa: BLE001 - every rank raises it after the broadcast below
             shutil.rmtree(staging, ignore_errors=True)
-            own, outcome = err, _describe(err, iteration)
+            own, outcome = err, _describe(err, target)
     outcome = C.broadcast_object(outcome, 0, pstate.world_group)  # nobody moves on before the publish
     if outcome is not None:
         _raise(outcome, own)

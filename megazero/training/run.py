@@ -6,6 +6,7 @@ input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Callable
@@ -168,9 +169,21 @@ def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | N
                        directory=lg.wandb_dir)
 
 
-def _start(cfg: Config, log_fn: Callable) -> tuple[RunPlan, ParallelState, Callable]:
-    """Validate (before any process group, so bad input fails alike on every rank), then build the groups."""
-    plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())
+def _nothing_to_do(cfg: Config, found: tuple[str, dict[str, Any]] | None) -> str | None:
+    """The one line saying that the checkpoint to resume is already at or past --train-iters (then nothing
+    trains and nothing is saved over it), else None. Every rank decides from the metadata it read itself."""
+    if not found or int(found[1]["iteration"]) < cfg.training.train_iters:
+        return None
+    done, wanted = int(found[1]["iteration"]), cfg.training.train_iters
+    where = "already at" if done == wanted else "past"
+    return (f"megazero: nothing to do: the checkpoint at iteration {done} ({found[0]}) is {where} --train-iters "
+            f"{wanted}; raise --train-iters to train further")
+
+
+def _start(cfg: Config, log_fn: Callable, plan: RunPlan | None = None) -> tuple[RunPlan, ParallelState, Callable]:
+    """Validate (before any process group, so bad input fails alike on every rank) unless ``plan`` is the
+    validated one, then build the groups."""
+    plan = plan or validate(cfg, world_size_from_env(), ranks_per_node_from_env())
     cuda_env = prepare_cuda_env(cfg)  # before anything initialises CUDA (default_device, init_distributed)
     apply_determinism(cfg.training.deterministic)
     device = default_device(cfg.training.device)
@@ -195,7 +208,13 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     taken: list[str] = []
     if found:  # the model is the checkpoint's; explicit flags must agree with it (before any check uses it)
         cfg, taken = ckpt_load.merge_config(found[1], cfg)
-    plan, pstate, say = _start(cfg, log_fn)
+    plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())  # before any process group
+    idle = _nothing_to_do(cfg, found)
+    if idle is not None:  # exit 0: the run this command asks for is done (a requeued job ends here)
+        if int(os.environ.get("RANK", "0")) == 0:
+            log_fn(idle)
+        return []
+    plan, pstate, say = _start(cfg, log_fn, plan)
     with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
         own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
         cfg, plan, data = _prepare(cfg, plan, pstate, say, found, taken)

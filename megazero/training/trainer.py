@@ -4,7 +4,9 @@ Around the step it logs (console line, metrics file, wandb), evaluates on
 held-out batches every ``--eval-interval``, saves every ``--save-interval``,
 and on SIGTERM/SIGINT finishes the current step, saves and returns, so a
 preempted job leaves a checkpoint at the iteration it reached; a second
-signal ends the process at once, even inside a collective.
+signal ends the process at once, even inside a collective. Every orderly
+stop (the end, a signal, a diverged run) concludes a pending --async-save
+before it leaves and says what ``latest`` names.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.save import describe_latest
 from ..config import Config
 from ..data.sampler import to_device
 from ..model.flops import flops_per_token
@@ -99,6 +102,11 @@ class StopSignal:
         return bool(flag.item() > 0)
 
 
+class AgreedStop(ValueError):
+    """An error every rank raises at the same point of the same step (a diverged run), so the way out may
+    still run collectives; one that only some ranks raise must not (``AsyncCheckpointer.close``)."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: TrainingOptimizer,
                  schedule: Schedule, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
@@ -149,7 +157,7 @@ class Trainer:
         """Stop a diverged run (every rank agrees: the skip decision and the loss are agreed)."""
         limit = self.cfg.training.max_skipped_steps
         if limit and self.consecutive_skips >= limit:
-            raise ValueError(
+            raise AgreedStop(
                 f"training stopped at iteration {self.iteration}: {self.consecutive_skips} consecutive steps "
                 f"were skipped because the loss ({loss}) or the global grad norm ({result.grad_norm}) was not "
                 f"finite; lower --lr (now peak {self.cfg.optimizer.lr}) or check the data, or raise "
@@ -201,44 +209,70 @@ class Trainer:
         if hook is not None:
             hook()
 
+    def _latest(self) -> str:
+        """What the --save folder's ``latest`` names now, read from disk (empty without --save)."""
+        root = self.cfg.checkpoint.save
+        return describe_latest(root) if self.save is not None and root else ""
+
+    def _stop_agreed(self, err: AgreedStop) -> AgreedStop:
+        """An error every rank raised at the same point: collectives still work, so a pending --async-save
+        is concluded as at the end of training (published if every rank's write finished, else refused on
+        every rank, said in one line); the error leaves saying what ``latest`` names on disk."""
+        try:
+            self._save_hook("finish")
+        except (OSError, ValueError, RuntimeError) as failed:  # the save's vote: every rank raised it
+            self.log.print(f"megazero: stopping: {failed}")
+        latest = self._latest()
+        return AgreedStop(f"{err} {latest}." if latest else str(err))
+
     def train(self) -> list[dict[str, Any]]:
-        t, every = self.cfg.training, self.cfg.logging.log_interval
         records: list[dict[str, Any]] = []
         stop = StopSignal(self.pstate.rank)
         if self.save is not None:
             stop.install()
         try:
-            while self.iteration < t.train_iters:
-                self.pstate.ledger.take_wait_seconds()
-                timer = DeviceTimer(self.pstate.device).start()  # CUDA events on CUDA, perf_counter on CPU
-                loss, result, lr = self.train_step()
-                elapsed = timer.stop().seconds()
-                self.iteration += 1
-                nonfinite = self._count(loss, result)
-                self.step_record.record(self.iteration, loss, result.grad_norm)
-                last = self.iteration == t.train_iters
-                if self.iteration % every == 0 or last or nonfinite:  # a NaN iteration is always shown
-                    record = self._record(loss, result, lr, elapsed)
-                    records.append(record)
-                    self._emit(record, format_iteration(record))
-                else:
-                    self.pstate.ledger.take()
-                self._check_skips(loss, result)
-                if self.eval_batches is not None and t.eval_interval and (
-                        self.iteration % t.eval_interval == 0 or last):
-                    records.append(self._evaluate())
-                signalled = self.save is not None and stop.agreed(self.pstate)
-                self._save_hook("poll")  # --async-save: publish a background save every rank has written
-                interval = self.cfg.checkpoint.save_interval
-                if self.save is not None and (last or signalled or (interval and self.iteration % interval == 0)):
-                    self.save(self.iteration)
-                if signalled:
-                    self._save_hook("finish")
-                    self.log.print(f"megazero: stopped by signal after iteration {self.iteration}; checkpoint saved")
-                    break
-            self._save_hook("finish")  # the end of training waits for a background save and publishes it
+            try:  # every orderly stop concludes a pending --async-save before it leaves
+                signalled = self._loop(records, stop)
+                self._save_hook("finish")  # the end of training or a signal's save: wait, vote, publish
+            except AgreedStop as err:
+                raise self._stop_agreed(err) from err
+            if signalled:
+                latest = self._latest()
+                self.log.print(f"megazero: stopped by signal after iteration {self.iteration}; checkpoint saved"
+                               + (f", {latest}" if latest else ""))
         finally:
             stop.restore()
         if self.schedule.timeline is not None and self.cfg.logging.timeline:
             self.schedule.timeline.write(self.cfg.logging.timeline)
         return records
+
+    def _loop(self, records: list[dict[str, Any]], stop: StopSignal) -> bool:
+        """Train to --train-iters or a signal (True); a diverged run raises ``AgreedStop`` on every rank."""
+        t, every = self.cfg.training, self.cfg.logging.log_interval
+        while self.iteration < t.train_iters:
+            self.pstate.ledger.take_wait_seconds()
+            timer = DeviceTimer(self.pstate.device).start()  # CUDA events on CUDA, perf_counter on CPU
+            loss, result, lr = self.train_step()
+            elapsed = timer.stop().seconds()
+            self.iteration += 1
+            nonfinite = self._count(loss, result)
+            self.step_record.record(self.iteration, loss, result.grad_norm)
+            last = self.iteration == t.train_iters
+            if self.iteration % every == 0 or last or nonfinite:  # a NaN iteration is always shown
+                record = self._record(loss, result, lr, elapsed)
+                records.append(record)
+                self._emit(record, format_iteration(record))
+            else:
+                self.pstate.ledger.take()
+            self._check_skips(loss, result)
+            if self.eval_batches is not None and t.eval_interval and (
+                    self.iteration % t.eval_interval == 0 or last):
+                records.append(self._evaluate())
+            signalled = self.save is not None and stop.agreed(self.pstate)
+            self._save_hook("poll")  # --async-save: publish a background save every rank has written
+            interval = self.cfg.checkpoint.save_interval
+            if self.save is not None and (last or signalled or (interval and self.iteration % interval == 0)):
+                self.save(self.iteration)
+            if signalled:
+                return True
+        return False

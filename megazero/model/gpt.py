@@ -20,6 +20,7 @@ from ..tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
                                       set_spec, spec_of)
 from ..tensor_parallel.random import EMBEDDING
+from .kv_cache import KVCache
 from .transformer import TPContext, TransformerBlock, hidden_dropout, make_norm
 
 
@@ -36,9 +37,12 @@ class Embedding(nn.Module):
             self.position = nn.Embedding(cfg.position_table_size, cfg.hidden_size)
             set_spec(self.position.weight, init_std=cfg.init_method_std)
 
-    def forward(self, ids_bs: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids_bs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``cache`` (decoding only): the tokens follow the cached ones, so their positions start after them."""
         x = self.word(ids_bs)
-        if self.position is not None and self.ctx.cp.active:  # this rank's tokens sit at scattered positions
+        if self.position is not None and cache is not None:
+            x = x + self.position.weight[cache.positions(ids_bs.shape[1], ids_bs.device)].unsqueeze(1)
+        elif self.position is not None and self.ctx.cp.active:  # this rank's tokens sit at scattered positions
             x = x + self.position.weight[self.ctx.positions(ids_bs.shape[1], ids_bs.device)].unsqueeze(1)
         elif self.position is not None:
             x = x + self.position.weight[: ids_bs.shape[1]].unsqueeze(1)
@@ -114,6 +118,19 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
+
+    @torch.no_grad()
+    def decode(self, ids_bs: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits [b, s, vocab] of ``ids_bs`` [b, s], the tokens that follow those in ``cache``, which then
+        holds theirs too. For generation: a whole model (tp 1, pp 1, cp 1) in eval mode, with no recompute
+        or compile wrap; padded vocabulary rows are left out."""
+        assert self.pre_process and self.post_process and self.ctx.tp == 1 and not self.ctx.cp.active
+        x = self.embedding(ids_bs, cache=cache)
+        for layer in self.layers.values():
+            x = layer(x, cache=cache)
+        cache.advance(ids_bs.shape[1])
+        logits_sbv = self.logits_local(self.final_norm(x))
+        return logits_sbv[..., :self.cfg.vocab_size].transpose(0, 1)
 
     def logits_local(self, x: torch.Tensor) -> torch.Tensor:
         """Vocab-sharded logits; the input-gradient all-reduce overlaps the head's weight-gradient GEMM."""

@@ -26,6 +26,7 @@ from ..context_parallel.attention import cp_attention
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
+from .kv_cache import KVCache, cached_attention
 
 
 @dataclass
@@ -140,15 +141,22 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=self.heads_per_group > 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``cache`` (decoding only): the new tokens follow the cached ones, attend to them, and are cached."""
         qkv = self.qkv(x)  # [s, b, g * x * d]
         qkv_bgxsd = rearrange(qkv, "s b (g x d) -> b g x s d", x=self.heads_per_group + 2, d=self.cfg.head_dim)
         q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
         k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
         if self.cfg.arch == "llama":
-            cos, sin = rotary_cos_sin(self.ctx.positions(q_bnsd.shape[2], x.device), self.cfg)
+            new_tokens = q_bnsd.shape[2]
+            positions = (self.ctx.positions(new_tokens, x.device) if cache is None
+                         else cache.positions(new_tokens, x.device))
+            cos, sin = rotary_cos_sin(positions, self.cfg)
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
-        out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
+        if cache is None:
+            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
+        else:
+            out_bnsd = cached_attention(q_bnsd, *cache.update(self.layer_id, k_bgsd, v_bgsd))
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
 
 
@@ -193,6 +201,6 @@ class TransformerBlock(nn.Module):
             return x
         return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, self.layer_id)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.norm1(x)))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.norm1(x), cache=cache))
         return x + self._dropout(self.mlp(self.norm2(x)))

@@ -3,7 +3,7 @@
 ``RunPlan.resolve(cfg, world_size)`` lays the world out (tp x dp x pp from
 ``--tp``/``--pp``), checks the config against it and fixes what the rest of the
 code needs to know - the parallel degrees, the
-virtual stages, the ZeRO stage, the schedule, micro-batches per step, the
+virtual stages, the ZeRO stage and when it reduces gradients, the schedule, micro-batches per step, the
 activation shape between pipeline stages, the dtypes, the padded vocabulary
 and where each kind of training state lives. Partitioning, schedules, the
 optimizer, checkpoints, the memory planner and the metrics records read these
@@ -51,6 +51,24 @@ class ZeroStage(enum.IntEnum):
         return self >= ZeroStage.PARAMETERS
 
 
+class GradReduction(enum.Enum):
+    """When a step's gradients leave the buckets (ZeRO 2 chooses; ZeRO 3 always reduces every micro-batch)."""
+
+    ONCE_PER_STEP = "once per step"  # micro-batches accumulate full-size; the last backward reduces them
+    EVERY_MICRO_BATCH = "every micro-batch"  # each backward reduce-scatters its buckets into the shard
+
+    @classmethod
+    def of(cls, zero: ZeroStage, every_micro_batch: bool = False) -> "GradReduction":
+        """ZeRO 3 shards gradients as they come; ZeRO 2 does with ``--reduce-every-micro-batch``."""
+        per_micro_batch = zero.shards_parameters or (every_micro_batch and zero.shards_gradients)
+        return cls.EVERY_MICRO_BATCH if per_micro_batch else cls.ONCE_PER_STEP
+
+    @property
+    def keeps_full_grads(self) -> bool:
+        """Accumulating several micro-batches holds a full-size gradient until the step's last backward."""
+        return self is GradReduction.ONCE_PER_STEP
+
+
 @dataclass(frozen=True, kw_only=True)
 class UnitGathering:
     """How ZeRO 3 gathers parameters (``data_parallel/zero3.py``)."""
@@ -87,6 +105,7 @@ class RunPlan:
     padded_vocab_size: int | None  # a multiple of --make-vocab-size-divisible-by x tp
     placement: StatePlacement = field(default_factory=StatePlacement)
     gathering: UnitGathering | None = None  # ZeRO 3 only
+    grad_reduction: GradReduction = GradReduction.ONCE_PER_STEP  # ZeRO 2: --reduce-every-micro-batch; ZeRO 3: every
     cp_comm_type: str = "p2p"  # context-parallel attention: p2p (ring), a2a (Ulysses) or a2a+p2p
     cp_split: CPSplit = CPSplit()  # which tokens of a sample each CP rank holds
 
@@ -113,6 +132,7 @@ class RunPlan:
                    vocab_size=m.vocab_size,
                    padded_vocab_size=None if m.vocab_size is None else m.padded_vocab_size(layout.tp),
                    placement=_placement(cfg), gathering=_gathering(cfg),
+                   grad_reduction=GradReduction.of(ZeroStage(cfg.parallel.zero), cfg.parallel.reduce_every_micro_batch),
                    cp_comm_type=cfg.parallel.cp_comm_type, cp_split=cp_split)
 
     @property

@@ -19,8 +19,9 @@ Gradient storage depends on the ``ZeroStage`` (``stage``):
   a bucket's shard is a view into it (reduce-scatter runs in place).
 - ``shards_gradients`` (ZeRO 2/3): a persistent grad *shard* per bucket, and
   a full-size bucket gradient that exists only from the first gradient that
-  reaches the bucket in a step (ZeRO 3: in a micro-batch) until its
-  reduce-scatter has completed.
+  reaches the bucket in a step (ZeRO 3, and ZeRO 2 with
+  ``--reduce-every-micro-batch``: in a micro-batch) until its reduce-scatter
+  has completed.
 
 Parameter storage likewise:
 - not ``shards_parameters`` (ZeRO 0/1/2): the flat ``param_data`` holds every
@@ -263,7 +264,7 @@ class ParamGradBuffer:
         """Start a step: accumulation restarts from zero and no bucket has communicated."""
         if self.grad_data is not None:
             self.grad_data.zero_()
-        if self.stage.shards_parameters:  # ZeRO 3 adds every micro-batch's reduce-scatter into the shard
+        if self.grad_shard_data is not None:  # reducing every micro-batch adds each one's share into the shard
             self.grad_shard_data.zero_()
         for b in self.buckets:
             b.ready, b.launched = 0, False

@@ -3,13 +3,17 @@
 Per step, for every bucket of every model chunk (``buffers.py``):
 
     backward hooks      p.grad -> p.main_grad (accumulate), p.grad = None
-    bucket complete     (outside ``no_sync``; ZeRO 3: always) launch its reduction over the
-                        reduction group (``ReductionGroup``: the DP group), async, by the
-                        stage's policy picked once at construction (``reduction.py``):
+    bucket complete     (outside ``no_sync``; reducing every micro-batch: always) launch its
+                        reduction over the reduction group (``ReductionGroup``: the DP group),
+                        async, by the policy picked once at construction from the stage and
+                        the plan's ``GradReduction`` (``reduction.py``):
                           ZeRO 0: all-reduce the bucket (pre-divided by dp)
                           ZeRO 1: reduce-scatter it in place into this rank's shard
                           ZeRO 2: reduce-scatter it into the persistent grad shard, then
                                   free the full-size bucket gradient
+                          ZeRO 2, --reduce-every-micro-batch: reduce-scatter each micro-
+                                  batch's bucket in place, add this rank's slice to the
+                                  persistent shard, then free the bucket
                           ZeRO 3: reduce-scatter each micro-batch's bucket into a temporary
                                   shard added to the persistent one, then free the bucket
     finish()            launch what the hooks did not, wait for all; sum replicated grads
@@ -30,6 +34,10 @@ backward) keeps the full-size bucket gradients as a transient accumulation
 buffer until the last micro-batch reduce-scatters them: one reduce-scatter
 per step, as ZeRO 1, at the price of a full gradient buffer during
 accumulation. With one micro-batch only the buckets in flight are full-size.
+``--reduce-every-micro-batch`` (DeepSpeed's way) reduce-scatters every micro-batch
+as its buckets fill, as ZeRO 3 does: only the buckets in flight are ever full-size,
+at m reduce-scatters per step. Every policy that reduces each micro-batch retires
+its reductions at the end of each backward (``_drain``), before the next forward.
 
 ZeRO 3 (``ZeroStage.shards_parameters``) adds ``ParameterUnits``
 (``zero3.py``): the buffers keep only parameter shards between uses, units
@@ -61,7 +69,7 @@ from torch import nn
 from ..parallel import collectives as C
 from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
-from ..run_plan import Placement, StatePlacement, UnitGathering, ZeroStage
+from ..run_plan import GradReduction, Placement, StatePlacement, UnitGathering, ZeroStage
 from .buffers import Bucket, ParamGradBuffer
 from .host_transfers import HostTransfers, disk_buffer_width
 from .reduction import ReductionGroup, reduction_for
@@ -81,16 +89,16 @@ class GradSyncEngine:
 
     def __init__(self, modules: list[nn.Module], pstate: ParallelState, group: ReductionGroup, *,
                  stage: ZeroStage, bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
-                 gathering: UnitGathering | None = None, param_store: Callable | None = None,
-                 placement: StatePlacement = StatePlacement()) -> None:
+                 grad_reduction: GradReduction, gathering: UnitGathering | None = None,
+                 param_store: Callable | None = None, placement: StatePlacement = StatePlacement()) -> None:
         self.pstate, self.group, self.stage = pstate, group, stage
-        self.reduction = reduction_for(stage, group)
+        self.reduction = reduction_for(stage, group, grad_reduction)
         assert stage.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
         units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
         self.buffers = self._build_buffers(modules, units, bucket_size, main_grads_dtype, param_store)
         self._sync = True
-        self._drain_queued = False  # ZeRO 3: an end-of-backward callback will retire the reductions
-        # (buffer, bucket, work, ZeRO 3's partial shard, reduced for the step's last micro-batch)
+        self._drain_queued = False  # reducing every micro-batch: an end-of-backward callback will retire them
+        # (buffer, bucket, work, the slice or partial shard it writes, reduced for the step's last micro-batch)
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None, bool]] = []
         self._gathers: dict[tuple[int, int], object] = {}
         self.transfers = _host_transfers(self.buffers, pstate.device, placement)
@@ -188,14 +196,14 @@ class GradSyncEngine:
                 "a gradient reached a bucket already communicated this step; the schedule must run every "
                 "backward but a chunk's last one inside optimizer.no_sync()")
             assert not (self.reduction.every_micro_batch and b.ready == 0 and b.grad is not None), (
-                "ZeRO 3: a bucket's reduce-scatter from the last backward is still in flight (_drain retires them)")
+                "a bucket's reduce-scatter from the last backward is still in flight (_drain retires them)")
             buf.bucket_grad(b)  # ZeRO 2/3: allocate the transient bucket gradient on first use
             p.main_grad.add_(p.grad)
             p.grad = None
             b.ready += 1
             if b.ready == len(b.params):
                 b.ready = 0
-                if self._sync or self.reduction.every_micro_batch:  # ZeRO 3 reduces every micro-batch
+                if self._sync or self.reduction.every_micro_batch:
                     self._launch(buf, b)
                     if self.reduction.every_micro_batch and not self._drain_queued:
                         self._drain_queued = True
@@ -214,7 +222,7 @@ class GradSyncEngine:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
 
     def _drain(self) -> None:
-        """ZeRO 3, at the end of each backward: retire every reduction still in flight, so no full-size
+        """Reducing every micro-batch, at the end of each backward: retire every reduction in flight, so no full-size
         bucket gradient lives on into the next forward or the step (FSDP2 does the same)."""
         self._drain_queued = False
         self._reap(block=True)

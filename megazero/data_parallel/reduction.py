@@ -11,8 +11,14 @@ the stage in its hooks:
     ZeRO 1  ReduceScatterInPlace      reduce-scatter into this rank's shard, a view of the bucket
     ZeRO 2  ReduceScatterRelease      reduce-scatter into the persistent grad shard, then free the
                                       full-size bucket gradient (a bounded number in flight)
+    ZeRO 2  ReduceScatterEveryMicroBatch  (--reduce-every-micro-batch) every micro-batch: reduce-scatter
+                                      in place, add this rank's slice to the persistent shard, then free
+                                      the bucket gradient
     ZeRO 3  ReduceScatterIntoShard    every micro-batch: reduce-scatter into a temporary shard that
                                       is added to the persistent one, then free the bucket gradient
+
+The policy is looked up once by (stage, ``GradReduction``), the run plan's choice of when gradients leave
+the buckets (``POLICIES``).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ import torch.distributed as dist
 
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import ZeroStage
+from ..run_plan import GradReduction, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -87,18 +93,20 @@ class ReduceScatterRelease(ReduceScatterInPlace):
         shard.copy_(grad_b)
 
 
-class ReduceScatterIntoShard(ReduceScatterRelease):
-    """ZeRO 3: each micro-batch's share is reduce-scattered apart and added to the shard on retiring."""
+class ReduceScatterEveryMicroBatch(ReduceScatterRelease):
+    """ZeRO 2 with --reduce-every-micro-batch: each micro-batch's bucket is reduce-scattered in place (this
+    rank's slice of the bucket receives its reduced share, as ZeRO 1's) and that slice is added to the
+    persistent shard on retiring; the bucket is then freed, so no full-size gradient outlives a backward."""
 
     every_micro_batch = True
-    gathers_after_step = False  # the next forward gathers
 
     def alone(self, shard: torch.Tensor, grad_b: torch.Tensor) -> None:
         shard.add_(grad_b)
 
     def issue(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
-        partial = torch.empty_like(shard)
-        return C.reduce_scatter_tensor(partial, grad_b, self.group.group, async_op=True), partial
+        n = shard.numel()
+        mine = grad_b[self.group.rank * n: (self.group.rank + 1) * n]
+        return C.reduce_scatter_tensor(mine, grad_b, self.group.group, async_op=True), mine
 
     @staticmethod
     def retire(shard: torch.Tensor, partial: torch.Tensor | None) -> None:
@@ -106,11 +114,24 @@ class ReduceScatterIntoShard(ReduceScatterRelease):
             shard.add_(partial)
 
 
-POLICIES: dict[ZeroStage, type[AllReduce]] = {
-    ZeroStage.NONE: AllReduce, ZeroStage.OPTIMIZER_STATE: ReduceScatterInPlace,
-    ZeroStage.GRADIENTS: ReduceScatterRelease, ZeroStage.PARAMETERS: ReduceScatterIntoShard}
+class ReduceScatterIntoShard(ReduceScatterEveryMicroBatch):
+    """ZeRO 3: each micro-batch's share is reduce-scattered apart and added to the shard on retiring."""
+
+    gathers_after_step = False  # the next forward gathers
+
+    def issue(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
+        partial = torch.empty_like(shard)
+        return C.reduce_scatter_tensor(partial, grad_b, self.group.group, async_op=True), partial
 
 
-def reduction_for(stage: ZeroStage, group: ReductionGroup) -> AllReduce:
+ONCE, EVERY = GradReduction.ONCE_PER_STEP, GradReduction.EVERY_MICRO_BATCH
+POLICIES: dict[tuple[ZeroStage, GradReduction], type[AllReduce]] = {
+    (ZeroStage.NONE, ONCE): AllReduce, (ZeroStage.OPTIMIZER_STATE, ONCE): ReduceScatterInPlace,
+    (ZeroStage.GRADIENTS, ONCE): ReduceScatterRelease, (ZeroStage.GRADIENTS, EVERY): ReduceScatterEveryMicroBatch,
+    (ZeroStage.PARAMETERS, EVERY): ReduceScatterIntoShard}
+
+
+def reduction_for(stage: ZeroStage, group: ReductionGroup, when: GradReduction) -> AllReduce:
     """The one policy a run's engine uses for every bucket of every step."""
-    return POLICIES[stage](group)
+    assert (stage, when) in POLICIES, f"no reduction policy reduces gradients {when.value} at ZeRO {int(stage)}"
+    return POLICIES[stage, when](group)

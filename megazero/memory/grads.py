@@ -4,10 +4,13 @@ The persistent gradient storage is what ``data_parallel/buffers.py`` allocates a
 build time: the full main-grad buffer under ZeRO 0/1, the 1/dp shard under
 ZeRO 2. On top of it, during a step, the optimizer holds (``data_parallel/engine.py``):
 
-    ZeRO 2, m > 1   every bucket's full-size gradient, from the first micro-batch's
-                    backward until the last one reduce-scatters it: a full-size
-                    gradient buffer during accumulation (P g), plus the shard.
-    ZeRO 2, m = 1   the full-size buckets in flight: at most MAX_INFLIGHT_BUCKETS
+    ZeRO 2, m > 1   (reducing once per step, the default) every bucket's full-size
+                    gradient, from the first micro-batch's backward until the last one
+                    reduce-scatters it: a full-size gradient buffer during accumulation
+                    (P g), plus the shard.
+    ZeRO 2, m = 1,  the full-size buckets in flight: at most MAX_INFLIGHT_BUCKETS
+    or every micro-batch (--reduce-every-micro-batch: each backward reduce-scatters
+                    in place and frees its buckets before the next forward)
                     reducing plus the one filling, consecutive in backward order;
                     the planner charges the largest such window of real buckets
                     (an upper bound: a reduction that finishes early frees its bucket;
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 from ..data_parallel.bucketing import cut_buckets
 from ..data_parallel.engine import MAX_INFLIGHT_BUCKETS
-from ..run_plan import ZeroStage
+from ..run_plan import GradReduction, ZeroStage
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,15 @@ def inflight_numel(buckets: list[int]) -> int:
 
 
 def grad_bytes(params: int, chunk_buckets: list[list[int]], dp: int, zero: int | ZeroStage, num_micro_batches: int,
-               grad_bytes_per_param: int) -> GradBytes:
-    """Gradient bytes on one rank holding ``params`` parameters in chunks bucketed as ``chunk_buckets``."""
+               grad_bytes_per_param: int, reduction: GradReduction = GradReduction.ONCE_PER_STEP) -> GradBytes:
+    """Gradient bytes on one rank holding ``params`` parameters in chunks bucketed as ``chunk_buckets``
+    (``reduction``: when ZeRO 2 reduces them, the run plan's ``grad_reduction``)."""
     g, z = grad_bytes_per_param, ZeroStage(zero)
     shard = params / dp if z.shards_optimizer_state else params
     step = 4 * shard if g != 4 else 0.0
     if not z.shards_gradients:
         return GradBytes(persistent=params * g, backward=0.0, step=step)
-    if num_micro_batches > 1:
+    if num_micro_batches > 1 and reduction.keeps_full_grads:
         backward = params * g
     elif len(chunk_buckets) == 1:
         backward = inflight_numel(chunk_buckets[0]) * g

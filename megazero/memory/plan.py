@@ -3,7 +3,8 @@
 ``plan_memory(spec)`` adds up, for every pipeline stage (the ranks of one
 stage are alike): model state (``params``; gradients at the optimizer's
 high-water mark in a step, ``grads``: ZeRO 2's full-size bucket gradients
-included; ZeRO 3's gathered units and bucket gradients at its peak,
+included, all of them while micro-batches accumulate unless ``RunPlan.grad_reduction``
+reduces every micro-batch; ZeRO 3's gathered units and bucket gradients at its peak,
 ``zero3.py``), activations held by the schedule (``activations``) and the
 largest short-lived working set (``transient``: one block rebuilt under full
 recompute, or the logits and their fp32 copy on the last stage).
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import Config, ConfigError, ModelConfig, Placement
-from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering
+from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering, ZeroStage
 from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, head_working_bytes,
                           in_flight_micro_batches, recompute_working_bytes)
 from .grads import grad_bytes, unit_buckets
@@ -109,7 +110,7 @@ class PlanSpec:
                 "schedule": self.schedule, "vp": r.virtual_stages, "precision": DTYPE_NAMES[r.compute_dtype],
                 "main_grads_dtype": DTYPE_NAMES[r.main_grads_dtype], "bucket_size": self.cfg.parallel.bucket_size,
                 "device": self.device, "layers_per_unit": g.layers_per_unit, "prefetch": g.prefetch,
-                "reshard_after_forward": g.reshard_after_forward,
+                "reshard_after_forward": g.reshard_after_forward, "grad_reduction": r.grad_reduction.value,
                 "offload_optimizer": where.optimizer_state.flag_word, "offload_params": where.parameters.flag_word,
                 "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size}
 
@@ -227,16 +228,16 @@ def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bo
     precision, main_grads = DTYPE_NAMES[run.compute_dtype], DTYPE_NAMES[run.main_grads_dtype]
     state = model_state_bytes(params, spec.shard_ranks, run.zero, precision, main_grads)
     grads = grad_bytes(params, [[n for _, n in c] for c in _chunk_buckets(spec, blocks, chunks)], spec.shard_ranks,
-                       run.zero, run.micro_batches, g)
+                       run.zero, run.micro_batches, g, run.grad_reduction)
     return PeakState(params=state.params, grads=grads.peak, optimizer=state.optimizer,
                      persistent=state.params + grads.persistent + state.optimizer, params_peak=state.params)
 
 
 def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of each chunk's buckets on this stage in the order their gradients arrive
-    (ZeRO 3's units cut them; ZeRO 2 needs them only with one micro-batch, ZeRO 0/1 never)."""
-    zero = spec.run.zero
-    if not zero.shards_gradients or (not zero.shards_parameters and spec.run.micro_batches > 1):
+    (ZeRO 3's units cut them; ZeRO 2 needs them unless full-size gradients accumulate, ZeRO 0/1 never)."""
+    run = spec.run
+    if not run.zero.shards_gradients or (run.grad_reduction.keeps_full_grads and run.micro_batches > 1):
         return []
     return _bucket_layout(spec, blocks, chunks)
 
@@ -278,7 +279,7 @@ def format_plan(plan: MemoryPlan) -> str:
     s, r, m = plan.spec, plan.spec.run, plan.spec.model
     lines = [f"model: {m.arch}, {plan.num_parameters / 1e9:.3f} B parameters, {m.num_layers} layers, "
              f"hidden {m.hidden_size}, seq {m.seq_length}",
-             f"layout: {_layout_words(r)}, zero {int(r.zero)}{_zero3_knobs(s)}, "
+             f"layout: {_layout_words(r)}, zero {int(r.zero)}{_zero3_knobs(s)}{_zero2_grads(r)}, "
              f"{DTYPE_NAMES[r.compute_dtype]}, "
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
@@ -320,7 +321,7 @@ def format_rows(plans: list[MemoryPlan]) -> str:
              + (f" {'offload':>14} {'host':>7} {'disk':>7} {'offl s*':>7}" if offload else "")]
     for plan in plans:
         r, st = plan.spec.run, plan.peak
-        lines.append(f"{r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} {r.micro_batch_size:>4} "
+        lines.append(f"{r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4} {_zero_cell(r):>4} {r.micro_batch_size:>4} "
                      f"{r.micro_batches:>4} {plan.spec.cfg.training.recompute:>9} {st.persistent_bytes / GIB:7.2f} "
                      f"{st.in_step_bytes / GIB:7.2f} {st.model_state_bytes / GIB:7.2f} "
                      f"{st.activations_bytes / GIB:7.2f} {st.total_bytes / GIB:7.2f}"
@@ -328,7 +329,16 @@ def format_rows(plans: list[MemoryPlan]) -> str:
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")
+    if any(p.spec.run.zero == ZeroStage.GRADIENTS and p.spec.run.micro_batches > 1 for p in plans):
+        lines.append("zero 2: grads reduced once per step (full-size while micro-batches accumulate); "
+                     "2/mb: every micro-batch (--reduce-every-micro-batch)")
     return "\n".join(lines)
+
+
+def _zero_cell(r: RunPlan) -> str:
+    """The zero column: the stage, '2/mb' for ZeRO 2 reducing every micro-batch."""
+    every = r.zero == ZeroStage.GRADIENTS and not r.grad_reduction.keeps_full_grads
+    return f"{int(r.zero)}/mb" if every else str(int(r.zero))
 
 
 def offload_label(s: PlanSpec) -> str:
@@ -344,6 +354,11 @@ def _layout_words(r: RunPlan) -> str:
     cp = f"{r.cp} ({r.cp_comm_type}{f' U={r.cp_split.a2a}' if r.cp_comm_type == 'a2a+p2p' else ''})" \
         if r.cp > 1 else "1"
     return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp} (world {r.world_size})"
+
+
+def _zero2_grads(r: RunPlan) -> str:
+    """ZeRO 2 reduces once per step or every micro-batch (``--reduce-every-micro-batch``): say which is planned."""
+    return f" (grads reduced {r.grad_reduction.value})" if r.zero == ZeroStage.GRADIENTS else ""
 
 
 def _zero3_knobs(s: PlanSpec) -> str:

@@ -18,7 +18,8 @@ it ranks layouts rather than predicting wall time to the percent):
             + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth
     step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
             + DP over the dp x cp ranks that share the weights (D = dp cp): zero 0 all-reduce
-              2 (D-1)/D P g; zero 1/2 reduce-scatter (D-1)/D P g + all-gather (D-1)/D P w; zero 3
+              2 (D-1)/D P g; zero 1/2 reduce-scatter (D-1)/D P g (m times with --reduce-every-micro-batch)
+              + all-gather (D-1)/D P w; zero 3
               per micro-batch: reduce-scatter (D-1)/D P g + all-gathers (D-1)/D P w, twice with
               reshard-after-forward (forward, backward) (under pipelining kept units may be
               gathered once for several micro-batches: an upper bound); intra-node bandwidth when
@@ -119,7 +120,9 @@ def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     shared = spec.shard_ranks  # dp x cp ranks hold the same weights
     bw = hw.intra_node_bandwidth if run.tp * shared <= hw.gpus_per_node else hw.inter_node_bandwidth
     frac = (shared - 1) / shared
-    dp_bytes = 2 * frac * params * g if not run.zero.shards_optimizer_state else frac * params * (g + w)
+    reduce_scatters = 1 if run.grad_reduction.keeps_full_grads else run.micro_batches  # --reduce-every-micro-batch
+    sharded = frac * params * (reduce_scatters * g + w)
+    dp_bytes = sharded if run.zero.shards_optimizer_state else 2 * frac * params * g
     if run.zero.shards_parameters:
         dp_bytes = run.micro_batches * frac * params * (g + w * (2 if spec.gathering.reshard_after_forward else 1))
     return pipeline + dp_bytes / bw + plan.offload_seconds(hw.offload)

@@ -27,7 +27,7 @@ from torch import nn
 from ..config import Config, OptimizerConfig
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import Placement, RunPlan, StatePlacement, UnitGathering, ZeroStage
+from ..run_plan import GradReduction, Placement, RunPlan, StatePlacement, UnitGathering, ZeroStage
 from ..data_parallel.buffers import Bucket, ParamGradBuffer, merged_runs
 from ..data_parallel.engine import GradSyncEngine
 from ..data_parallel.host_transfers import HostTransfers
@@ -42,19 +42,24 @@ from .scaler import DynamicLossScaler
 
 
 class DistributedOptimizer:
-    """AdamW with ZeRO stage ``zero`` (0/1/2/3) over ``pstate``'s DP group; the trainer's optimizer interface."""
+    """AdamW with ZeRO stage ``zero`` (0/1/2/3) over ``pstate``'s DP group; the trainer's optimizer interface.
+
+    ``grad_reduction`` (the run plan's): whether ZeRO 2 reduces once per step or every micro-batch; None
+    takes the stage's default (ZeRO 3 always reduces every micro-batch).
+    """
 
     def __init__(self, modules: list[nn.Module], cfg: OptimizerConfig, pstate: ParallelState, *,
                  zero: ZeroStage | int = ZeroStage.NONE, bucket_size: int = 10_000_000,
                  main_grads_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
                  scaler: DynamicLossScaler | None = None, gathering: UnitGathering | None = None,
-                 placement: StatePlacement = StatePlacement()) -> None:
+                 placement: StatePlacement = StatePlacement(), grad_reduction: GradReduction | None = None) -> None:
         self.cfg, self.pstate, self.zero, self.scaler = cfg, pstate, ZeroStage(zero), scaler
         if self.zero.shards_parameters and gathering is None:
             gathering = UnitGathering()
         self.sync = GradSyncEngine(modules, pstate, ReductionGroup.of(pstate), stage=self.zero,
                                    bucket_size=bucket_size, main_grads_dtype=main_grads_dtype,
                                    overlap_param_gather=overlap_param_gather, gathering=gathering,
+                                   grad_reduction=grad_reduction or GradReduction.of(self.zero),
                                    param_store=param_shard_factory(placement.parameters, placement.offload_path,
                                                                    pstate.rank), placement=placement)
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
@@ -288,8 +293,8 @@ def _norm_runs(b: Bucket, pstate: ParallelState, counted: bool = True) -> list[t
 
 def build_distributed_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState, *,
                                 plan: RunPlan) -> DistributedOptimizer:
-    """The run's optimizer: ZeRO stage and main-grad dtype from ``plan``; buckets, overlap and loss
-    scaling from ``cfg``.
+    """The run's optimizer: ZeRO stage, when it reduces gradients and main-grad dtype from ``plan``;
+    buckets, overlap and loss scaling from ``cfg``.
 
     Set-up casts the chunks to ``plan.compute_dtype`` first (the builder does not), so the fp32
     master copy is the compute-dtype weights upcast: the fp32 initial values rounded to bf16/fp16
@@ -304,4 +309,5 @@ def build_distributed_optimizer(cfg: Config, chunks: list[nn.Module], pstate: Pa
     return DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=plan.zero, bucket_size=par.bucket_size,
                                 main_grads_dtype=plan.main_grads_dtype,
                                 overlap_param_gather=par.overlap_param_gather, scaler=scaler,
-                                gathering=plan.gathering, placement=plan.placement)
+                                gathering=plan.gathering, placement=plan.placement,
+                                grad_reduction=plan.grad_reduction)

@@ -1,10 +1,14 @@
-"""Tokenize text or JSONL files into megazero's PREFIX.bin/.idx format.
+"""Tokenize text, JSONL, parquet or save_to_disk data into megazero's PREFIX.bin/.idx format.
 
     python tools/preprocess_data.py --input data.jsonl --output-prefix out/data \
         --tokenizer-model tok.model --workers 4
 
 Text files: one document per line. JSONL (.json/.jsonl): one object per
-line, document text under ``--json-keys``. EOS is appended to every document.
+line, document text under --json-keys. Parquet: files, a folder of them or a
+glob, text in the --json-keys column. A folder written by datasets'
+save_to_disk: text in the --json-keys column. The tokenizer is a
+sentencepiece .model or an HF tokenizer.json (or a folder holding one); its
+EOS token is appended to every document.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from megazero.data.preprocess import preprocess_files  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, help="text or JSONL files")
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="text, JSONL or parquet files, parquet folders, globs, or save_to_disk folders")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer-model", required=True, help="sentencepiece .model (or HF tokenizer dir)")
-    parser.add_argument("--tokenizer-type", choices=("sentencepiece", "hf"), default="sentencepiece")
-    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL text field (one key)")
+    parser.add_argument("--tokenizer-model", required=True,
+                        help="sentencepiece .model, HF tokenizer.json or a folder holding one")
+    parser.add_argument("--tokenizer-type", choices=("sentencepiece", "hf"), default=None,
+                        help="default: inferred from --tokenizer-model")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="text field or column (one key)")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     args = parser.parse_args(argv)
     try:

@@ -19,12 +19,12 @@ from .corpus import CorpusPaths, default_corpus
 from .gpt_dataset import GPTDataset, epochs_needed, split_documents
 from .indexed import IndexedDataset
 from .sampler import MicroBatchIterator, to_device
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, TokenizerLike, load_tokenizer
 
 __all__ = [
     "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset",
-    "MicroBatchIterator", "Tokenizer", "build_data", "check_vocabulary", "default_corpus", "parse_data_path",
-    "to_device",
+    "MicroBatchIterator", "Tokenizer", "TokenizerLike", "build_data", "check_vocabulary", "default_corpus",
+    "load_tokenizer", "parse_data_path", "to_device",
 ]
 
 
@@ -32,7 +32,7 @@ __all__ = [
 class DataBundle:
     """The tokenizer and the three splits (None when a split gets no data)."""
 
-    tokenizer: Tokenizer
+    tokenizer: TokenizerLike
     train: torch.utils.data.Dataset  # items: int64 tensor [seq_length + 1]
     valid: torch.utils.data.Dataset | None
     test: torch.utils.data.Dataset | None
@@ -51,20 +51,25 @@ def _open_sources(data_path: list[str]) -> list[tuple[float, IndexedDataset]]:
     return sources
 
 
-def check_vocabulary(sources: list[tuple[float, IndexedDataset]], vocab_size: int, tokenizer_model: str) -> None:
+def check_vocabulary(sources: list[tuple[float, IndexedDataset]], vocab_size: int | None, tokenizer_model: str,
+                     tokenizer_vocab: int) -> None:
     """Refuse data the model cannot embed: an id past the vocabulary is an IndexError at tp 1
     and, at tp > 1, a zero embedding and a zero target logit that train on garbage.
 
-    Every rank reads the headers itself (a version-1 file is scanned once), so all fail alike.
+    ``vocab_size`` is the model's (--vocab-size or the checkpoint's; None: the tokenizer's). Every
+    rank reads the headers itself (a version-1 file is scanned once), so all fail alike.
     """
+    model_vocab = vocab_size or tokenizer_vocab
+    origin = (f"--tokenizer-model {tokenizer_model} has {tokenizer_vocab} tokens" if vocab_size is None else
+              f"from --vocab-size or the checkpoint; --tokenizer-model {tokenizer_model} has {tokenizer_vocab}")
     for _, indexed in sources:
         data_vocab = indexed.vocab_size
-        if (data_vocab is not None and data_vocab > vocab_size) or indexed.max_token_id >= vocab_size:
+        if (data_vocab is not None and data_vocab > model_vocab) or indexed.max_token_id >= model_vocab:
             made = f"a {data_vocab}-piece vocabulary" if data_vocab is not None else "an unrecorded vocabulary"
             raise ValueError(
                 f"data {indexed.prefix}.idx was tokenized with {made} (largest id {indexed.max_token_id}) but the "
-                f"model vocabulary is {vocab_size} (--tokenizer-model {tokenizer_model}); pass the --tokenizer-model "
-                f"the data was made with, or re-run tools/preprocess_data.py with {tokenizer_model}"
+                f"model vocabulary is {model_vocab} ({origin}); pass the --tokenizer-model (and --vocab-size) the "
+                f"data was made with, or re-run tools/preprocess_data.py with {tokenizer_model}"
             )
 
 
@@ -85,7 +90,8 @@ def _warn_repeats(indexed: IndexedDataset, docs: np.ndarray, split_index: int, s
 
 def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, split: str,
                  seq_length: int, num_samples: int, seed: int, is_builder: bool,
-                 barrier: Callable[[], None], log: Callable[[str], None]) -> torch.utils.data.Dataset | None:
+                 barrier: Callable[[], None], log: Callable[[str], None],
+                 cache_dir: str | None) -> torch.utils.data.Dataset | None:
     """One split (0 train, 1 valid, 2 test) over all sources, blended by weight."""
     if num_samples <= 0:
         return None
@@ -103,14 +109,27 @@ def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, 
         count = max(count, 1)
         if split_index < 2:  # the test split is not read by training
             _warn_repeats(indexed, docs, split_index, seq_length, count, log)
-        datasets.append(GPTDataset(indexed, seq_length, count, seed, docs, is_builder=is_builder, barrier=barrier))
+        datasets.append(GPTDataset(indexed, seq_length, count, seed, docs, cache_dir=cache_dir,
+                                   is_builder=is_builder, barrier=barrier))
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples, seed)
+
+
+def _tokenizer(tokenizer_model: str | None, tokenizer_type: str | None, default_model: str | None) -> TokenizerLike:
+    """The run's tokenizer: --tokenizer-model (of --tokenizer-type, or inferred), else the default corpus's."""
+    if tokenizer_model is None and default_model is None:
+        raise ValueError("--data-path needs --tokenizer-model (the sentencepiece .model or HF tokenizer.json the "
+                         "data was tokenized with)")
+    if tokenizer_model is None and tokenizer_type == "hf":
+        raise ValueError("--tokenizer-type hf needs --tokenizer-model (the default corpus's tokenizer is a "
+                         "sentencepiece model); pass the tokenizer.json or drop --tokenizer-type")
+    return load_tokenizer(tokenizer_model or default_model, tokenizer_type)
 
 
 def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, split: str,
                seq_length: int, train_samples: int, eval_samples: int, seed: int,
                is_builder: bool, barrier: Callable[[], None] = lambda: None,
-               log: Callable[[str], None] = print, vocab_size: int | None = None) -> DataBundle:
+               log: Callable[[str], None] = print, vocab_size: int | None = None,
+               tokenizer_type: str | None = None, data_cache_path: str | None = None) -> DataBundle:
     """Tokenizer plus train/valid/test datasets for the given flags.
 
     With ``data_path=None`` the embedded stdlib-docstring corpus is used (built
@@ -118,25 +137,26 @@ def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, spli
     ``vocab_size`` is the model's vocabulary (None: the tokenizer's); data with
     larger ids is refused. ``eval_samples > 0`` means evaluation was asked for,
     so a split with no validation data is an error rather than a silent no-op.
+    ``data_cache_path`` holds the sample-index caches (None: beside each prefix).
     """
+    default_model = None
     if data_path is None:
         corpus = default_corpus(log=log) if is_builder else None
         barrier()
         corpus = corpus or default_corpus(log=log)
-        data_path = [corpus.data_prefix]
-        tokenizer_model = tokenizer_model or corpus.tokenizer_model
-    elif tokenizer_model is None:
-        raise ValueError("--data-path needs --tokenizer-model (the sentencepiece model the data was tokenized with)")
-    tokenizer = Tokenizer.load(tokenizer_model)
+        data_path, default_model = [corpus.data_prefix], corpus.tokenizer_model
+    tokenizer = _tokenizer(tokenizer_model, tokenizer_type, default_model)
     sources = _open_sources(list(data_path))
-    check_vocabulary(sources, vocab_size or tokenizer.vocab_size, tokenizer_model)
-    train = _build_split(sources, 0, split, seq_length, train_samples, seed, is_builder, barrier, log)
+    check_vocabulary(sources, vocab_size, tokenizer_model or default_model, tokenizer.vocab_size)
+    build = dict(seq_length=seq_length, seed=seed, is_builder=is_builder, barrier=barrier, log=log,
+                 cache_dir=data_cache_path)
+    train = _build_split(sources, 0, split, num_samples=train_samples, **build)
     if train is None:
         raise ValueError(f"--split {split!r} leaves no training documents; give the first split a larger weight")
-    valid = _build_split(sources, 1, split, seq_length, eval_samples, seed, is_builder, barrier, log)
+    valid = _build_split(sources, 1, split, num_samples=eval_samples, **build)
     if eval_samples > 0 and valid is None:
         raise ValueError(f"--eval-interval asks for validation but --split {split!r} leaves no validation data "
                          f"in {', '.join(ix.prefix for _, ix in sources)}; give the second --split weight a share "
                          "(e.g. 969,30,1), add documents, or set --eval-interval 0")
-    test = _build_split(sources, 2, split, seq_length, eval_samples, seed, is_builder, barrier, log)
+    test = _build_split(sources, 2, split, num_samples=eval_samples, **build)
     return DataBundle(tokenizer=tokenizer, train=train, valid=valid, test=test)

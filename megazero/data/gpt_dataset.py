@@ -9,11 +9,13 @@ Three index arrays define the samples:
   overlap with the next, for the shifted labels), crossing documents freely;
 - ``shuffle_idx``: the order in which windows are served.
 
-They are built once by the builder rank and cached beside the data as
-``.npy`` files named by a hash of everything they depend on - the document
-lengths themselves (a digest of the ``.idx`` offsets), not the prefix and
-counts, so data re-preprocessed under the same name gets new indices; the
-other ranks wait at ``barrier()`` and then memory-map them.
+They are built once by the builder rank and cached beside the data (or in
+``--data-cache-path``) as ``.npy`` files named by a hash of everything they
+depend on - the document lengths themselves (a digest of the ``.idx``
+offsets), not the prefix and counts, so data re-preprocessed under the same
+name gets new indices, and two datasets sharing one cache folder share a file
+only when their indices are equal; the other ranks wait at ``barrier()`` and
+then memory-map them.
 """
 
 from __future__ import annotations
@@ -124,14 +126,30 @@ def _cache_key(indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int
     return hashlib.sha1(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _check_writable(cache_dir: str) -> None:
+    """Refuse, on every rank before the barrier, a cache folder the builder could not write."""
+    existing = os.path.abspath(cache_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write the sample index cache {cache_dir} ({existing} is read-only); pass "
+                         "--data-cache-path with a writable folder")
+
+
 def load_or_build_indices(indexed: IndexedDataset, doc_indices: np.ndarray, seq_length: int, num_samples: int,
                           seed: int, cache_dir: str, is_builder: bool,
                           barrier: Callable[[], None]) -> dict[str, np.ndarray]:
-    """Builder computes and saves (atomically); everyone then memory-maps."""
+    """Builder computes and saves (atomically); everyone then memory-maps.
+
+    Caches already there are only read, so a read-only folder whose caches were built once still works.
+    """
     key = _cache_key(indexed, doc_indices, seq_length, num_samples, seed)
     base = os.path.join(cache_dir, f"{os.path.basename(indexed.prefix)}_{key}")
     paths = {name: f"{base}_{name}.npy" for name in _NAMES}
-    if is_builder and not all(os.path.exists(p) for p in paths.values()):
+    complete = all(os.path.exists(p) for p in paths.values())
+    if not complete:
+        _check_writable(cache_dir)
+    if is_builder and not complete:
         arrays = build_indices(indexed.doc_lengths, doc_indices, seq_length, num_samples, seed)
         try:
             os.makedirs(cache_dir, exist_ok=True)
@@ -141,7 +159,7 @@ def load_or_build_indices(indexed: IndexedDataset, doc_indices: np.ndarray, seq_
                 os.replace(tmp, path)
         except OSError as exc:
             raise ValueError(f"cannot write the sample index cache in {cache_dir} ({exc}); "
-                             "make the --data-path folder writable") from None
+                             "pass --data-cache-path with a writable folder") from None
     barrier()
     missing = [p for p in paths.values() if not os.path.exists(p)]
     if missing:
@@ -165,7 +183,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = num_samples
         docs = (np.arange(len(indexed), dtype=np.int64) if doc_indices is None
                 else np.asarray(doc_indices, dtype=np.int64))
-        if cache_dir is None:
+        if cache_dir is None:  # --data-cache-path unset
             cache_dir = os.path.join(os.path.dirname(os.path.abspath(indexed.prefix)), "index-cache")
         idx = load_or_build_indices(indexed, docs, seq_length, num_samples, seed, cache_dir, is_builder, barrier)
         self.doc_idx, self.sample_idx, self.shuffle_idx = idx["doc_idx"], idx["sample_idx"], idx["shuffle_idx"]

@@ -1,9 +1,11 @@
-"""Text or JSONL files -> tokens -> ``PREFIX.bin/.idx``.
+"""Text, JSONL, parquet or ``save_to_disk`` inputs -> tokens -> ``PREFIX.bin/.idx``.
 
 Reading and tokenising go through HF ``datasets`` (``load_dataset`` on local
-files, ``.map(num_proc=...)``) so big inputs stream from Arrow files and use
-every core. The datasets cache lives in a temporary folder beside the output
-and is removed afterwards; the network is never touched.
+files or ``load_from_disk``, then ``.map(num_proc=...)``) so big inputs stream
+from Arrow files and use every core. The datasets cache and the tokenised
+Arrow files live in a temporary folder beside the output (never beside a
+saved dataset, which may be read-only) and are removed afterwards; the
+network is never touched.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from .indexed import IndexedDatasetWriter
-from .tokenizer import TokenizerLike, load_tokenizer
-
-_JSON_EXTS = (".json", ".jsonl", ".ndjson")
-
+from .preprocess_inputs import load_inputs
+from .tokenizer import TokenizerLike, load_tokenizer, resolve_tokenizer
 
 @dataclass(frozen=True)
 class PreprocessStats:
@@ -37,7 +37,7 @@ class PreprocessStats:
 class _Encode:
     """Picklable batched map function; loads the tokenizer once per worker."""
 
-    def __init__(self, model: str, tokenizer_type: str, key: str) -> None:
+    def __init__(self, model: str, tokenizer_type: str | None, key: str) -> None:
         self.model, self.tokenizer_type, self.key = model, tokenizer_type, key
         self._tok: TokenizerLike | None = None
 
@@ -50,51 +50,6 @@ class _Encode:
         eos = self._tok.eos_id
         ids = self._tok.encode_batch(batch[self.key])
         return {"input_ids": [doc + [eos] for doc in ids]}
-
-
-def _input_format(inputs: Sequence[str]) -> str:
-    """'json' or 'text' for the whole input list; files must exist and agree."""
-    if not inputs:
-        raise ValueError("no input files; pass at least one with --input")
-    for path in inputs:
-        if not os.path.isfile(path):
-            raise ValueError(f"input file {path!r} does not exist; check --input")
-    kinds = {"json" if p.lower().endswith(_JSON_EXTS) else "text" for p in inputs}
-    if len(kinds) > 1:
-        raise ValueError("--input mixes JSON and text files; preprocess them separately")
-    if all(os.path.getsize(p) == 0 for p in inputs):
-        raise ValueError(f"input {', '.join(inputs)} is empty; nothing to preprocess (check --input)")
-    return kinds.pop()
-
-
-def _load(inputs: Sequence[str], key: str, cache_dir: str):  # -> datasets.Dataset
-    """Load local files as one Arrow dataset with a ``key`` column of strings."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import datasets
-
-    fmt = _input_format(inputs)
-    try:
-        ds = datasets.load_dataset(fmt, data_files=list(inputs), split="train", cache_dir=cache_dir)
-    except Exception as exc:  # datasets wraps parser errors in many types
-        raise ValueError(f"could not read --input {', '.join(inputs)} as {fmt}: {exc}") from None
-    if fmt == "text":
-        key_in = "text"
-        ds = ds.filter(lambda b: [bool(t.strip()) for t in b["text"]], batched=True)
-    else:
-        key_in = key
-        if key not in ds.column_names:
-            raise ValueError(
-                f"JSON key {key!r} not found in {', '.join(inputs)} (keys: {ds.column_names}); "
-                "set --json-keys"
-            )
-        missing = ds.data.column(key).null_count
-        if missing:
-            raise ValueError(f"{missing} JSON records in {', '.join(inputs)} lack key {key!r}; "
-                             "fix the input or --json-keys")
-    if len(ds) == 0:
-        raise ValueError(f"input {', '.join(inputs)} has no documents; nothing to preprocess")
-    return ds, key_in
 
 
 def write_documents(token_docs: Iterable[Sequence[int]], output_prefix: str, vocab_size: int,
@@ -125,22 +80,27 @@ def tokenize_documents(texts: Iterable[str], tokenizer: TokenizerLike, batch_siz
 
 
 def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer_model: str, json_key: str = "text",
-                     workers: int = 1, tokenizer_type: str = "sentencepiece",
+                     workers: int = 1, tokenizer_type: str | None = None,
                      log: Callable[[str], None] = print) -> PreprocessStats:
-    """The whole tool: read ``inputs``, tokenise with ``workers`` processes, write."""
+    """The whole tool: read ``inputs``, tokenise with ``workers`` processes, write.
+
+    ``tokenizer_type`` None infers sentencepiece or hf from ``tokenizer_model`` (see ``load_tokenizer``).
+    """
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
-    tokenizer = load_tokenizer(tokenizer_model, tokenizer_type)  # fail before reading data
+    tokenizer_type, tokenizer_file = resolve_tokenizer(tokenizer_model, tokenizer_type)
+    tokenizer = load_tokenizer(tokenizer_file, tokenizer_type)  # fail before reading data
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     cache_dir = tempfile.mkdtemp(prefix=".hf-cache-", dir=out_dir)
     start = time.perf_counter()
     try:
-        ds, key = _load(inputs, json_key, cache_dir)
+        ds, key = load_inputs(inputs, json_key, cache_dir)
         log(f"tokenizing {len(ds)} documents with {workers} worker(s) ...")
-        encode = _Encode(tokenizer_model, tokenizer_type, key)
+        encode = _Encode(tokenizer_file, tokenizer_type, key)
         tokens = ds.map(encode, batched=True, batch_size=1000, num_proc=workers if workers > 1 else None,
-                        remove_columns=ds.column_names, desc="tokenizing")
+                        remove_columns=ds.column_names, desc="tokenizing",
+                        cache_file_name=os.path.join(cache_dir, "tokens.arrow"))
         docs = (row for batch in tokens.iter(batch_size=1000) for row in batch["input_ids"])
         stats = write_documents(docs, output_prefix, tokenizer.vocab_size, log)
     finally:

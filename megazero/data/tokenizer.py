@@ -1,10 +1,10 @@
-"""Tokenizers: a sentencepiece wrapper (the default) and a thin HF wrapper.
+"""Tokenizers: sentencepiece models (trained here or loaded) and HF ``tokenizer.json`` files.
 
-Special ids are fixed for every model we train (unk=0, bos=1, eos=2, pad=3)
-so the rest of the pipeline never has to ask which id is which. Training
-uses identity normalisation, no dummy prefix and byte fallback, so
-``decode(encode(text)) == text`` for any UTF-8 text, and one thread, so the
-same input gives the same model bytes every time.
+``load_tokenizer`` picks the kind from ``--tokenizer-type`` or from what is at the path, and every
+caller reads the special ids (EOS ends each document, PAD) from the object it returns, never as
+constants. The sentencepiece models trained here use unk=0, bos=1, eos=2, pad=3, identity
+normalisation, no dummy prefix and byte fallback, so ``decode(encode(text)) == text`` for any UTF-8
+text, and one thread, so the same input gives the same model bytes every time.
 """
 
 from __future__ import annotations
@@ -15,16 +15,23 @@ from typing import Iterable, Iterator, Protocol
 
 import sentencepiece as spm
 
-UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
+from .hf_tokenizer import HFTokenizer, describe_file
+
+_TRAINED_SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
 
 class TokenizerLike(Protocol):
-    """What preprocessing and training need from any tokenizer."""
+    """What preprocessing, training and generation need from any tokenizer."""
 
     vocab_size: int
-    eos_id: int
+    eos_id: int  # ends every document (Megatron's EOD); generation stops on it
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
 
 
 class Tokenizer:
@@ -36,19 +43,16 @@ class Tokenizer:
 
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
-        """Load ``path``; a missing or unparsable file is a user error."""
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"tokenizer model {path!r} does not exist; pass a sentencepiece .model file "
-                "with --tokenizer-model (train one with tools/train_tokenizer.py)"
-            )
+        """Load ``path`` (a .model file, or a folder holding tokenizer.model); bad input is a user error."""
+        _, path = resolve_tokenizer(path, "sentencepiece")
         try:
             processor = spm.SentencePieceProcessor(model_file=path)
-        except (RuntimeError, OSError) as exc:
-            raise ValueError(
-                f"tokenizer model {path!r} is not a readable sentencepiece model ({exc}); "
-                "check --tokenizer-model"
-            ) from None
+        except (RuntimeError, OSError):
+            hint = ("it looks like an HF tokenizer.json: pass --tokenizer-type hf or leave --tokenizer-type unset"
+                    if _starts_like_json(path) else
+                    "pass a .model file from tools/train_tokenizer.py or an HF tokenizer.json")
+            raise ValueError(f"--tokenizer-model {path!r} is not a readable sentencepiece model (found "
+                             f"{describe_file(path)}); {hint}") from None
         return cls(processor, path)
 
     def __reduce__(self) -> tuple:
@@ -82,49 +86,50 @@ class Tokenizer:
         return str(self._sp.decode([int(i) for i in ids]))
 
 
-class HFTokenizer:
-    """A local HF ``AutoTokenizer`` directory, for preprocessing only."""
-
-    def __init__(self, path: str) -> None:
-        if not os.path.exists(path):
-            raise ValueError(f"HF tokenizer {path!r} does not exist; check --tokenizer-model")
-        try:
-            from transformers import AutoTokenizer
-
-            self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except (OSError, ValueError, ImportError) as exc:
-            raise ValueError(
-                f"could not load HF tokenizer {path!r} ({exc}); check --tokenizer-model"
-            ) from None
-        self.path = path
-        if self._tok.eos_token_id is None:
-            raise ValueError(f"HF tokenizer {path!r} has no EOS token; pick another --tokenizer-model")
-
-    def __reduce__(self) -> tuple:
-        return (HFTokenizer, (self.path,))
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._tok)
-
-    @property
-    def eos_id(self) -> int:
-        return int(self._tok.eos_token_id)
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(ids) for ids in self._tok(list(texts), add_special_tokens=False)["input_ids"]]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        return str(self._tok.decode(list(ids)))
+def _starts_like_json(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(64).lstrip().startswith(b"{")
 
 
-def load_tokenizer(path: str, tokenizer_type: str = "sentencepiece") -> TokenizerLike:
-    """Pick the wrapper named by ``--tokenizer-type``."""
-    if tokenizer_type == "sentencepiece":
-        return Tokenizer.load(path)
-    if tokenizer_type == "hf":
-        return HFTokenizer(path)
-    raise ValueError(f"--tokenizer-type must be 'sentencepiece' or 'hf', got {tokenizer_type!r}")
+_KIND_FILES = {"hf": "tokenizer.json", "sentencepiece": "tokenizer.model"}
+
+
+def _resolve_folder(path: str, tokenizer_type: str | None) -> tuple[str, str]:
+    """An HF-style folder: its tokenizer.json (or, for sentencepiece, tokenizer.model)."""
+    kinds = [tokenizer_type] if tokenizer_type else ["hf", "sentencepiece"]
+    for kind in kinds:
+        inside = os.path.join(path, _KIND_FILES[kind])
+        if os.path.isfile(inside):
+            return kind, inside
+    entries = sorted(os.listdir(path))
+    held = ", ".join(entries[:8]) + (f" and {len(entries) - 8} more" if len(entries) > 8 else "") or "nothing"
+    wanted = " or ".join(_KIND_FILES[k] for k in kinds)
+    raise ValueError(f"--tokenizer-model {path!r} is a folder without {wanted} (it holds {held}); pass a folder "
+                     "holding tokenizer.json, a tokenizer.json file or a sentencepiece .model file")
+
+
+def resolve_tokenizer(path: str, tokenizer_type: str | None = None) -> tuple[str, str]:
+    """(type, file) for ``--tokenizer-model path``: the type given, else inferred from what is there
+    (a folder holding tokenizer.json, or a .json file: hf; a .model file: sentencepiece; any other
+    file: hf when it reads as JSON)."""
+    if tokenizer_type not in (None, "sentencepiece", "hf"):
+        raise ValueError(f"--tokenizer-type must be sentencepiece or hf, got {tokenizer_type!r}")
+    if not os.path.exists(path):
+        raise ValueError(f"--tokenizer-model {path!r} does not exist; pass a sentencepiece .model file, an HF "
+                         "tokenizer.json or a folder holding one (train one with tools/train_tokenizer.py)")
+    if os.path.isdir(path):
+        return _resolve_folder(path, tokenizer_type)
+    if tokenizer_type:
+        return tokenizer_type, path
+    if path.lower().endswith(".model"):
+        return "sentencepiece", path
+    return ("hf" if path.lower().endswith(".json") or _starts_like_json(path) else "sentencepiece"), path
+
+
+def load_tokenizer(path: str, tokenizer_type: str | None = None) -> TokenizerLike:
+    """The tokenizer at ``path`` (``--tokenizer-model``), of ``--tokenizer-type`` or of the type its path shows."""
+    kind, file = resolve_tokenizer(path, tokenizer_type)
+    return Tokenizer.load(file) if kind == "sentencepiece" else HFTokenizer(file)
 
 
 def _training_lines(inputs: Iterable[str]) -> Iterator[str]:
@@ -168,7 +173,7 @@ def train_sentencepiece(inputs: Iterable[str], model_prefix: str, vocab_size: in
             vocab_size=vocab_size,
             model_type=model_type,
             byte_fallback=True,
-            unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
+            **_TRAINED_SPECIAL_IDS,
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,
             add_dummy_prefix=False,

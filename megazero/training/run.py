@@ -112,7 +112,8 @@ def _data(cfg: Config, rank: int, say: Callable,
                       seq_length=cfg.model.seq_length, train_samples=max(1, train_samples),
                       eval_samples=max(1, t.eval_iters) * t.global_batch_size if t.eval_interval else 0,
                       seed=t.seed, is_builder=rank == 0, barrier=dist.barrier, log=say,
-                      vocab_size=cfg.model.vocab_size)
+                      vocab_size=cfg.model.vocab_size, tokenizer_type=cfg.data.tokenizer_type,
+                      data_cache_path=cfg.data.data_cache_path)
     if cfg.model.vocab_size is None:
         return cfg.updated(vocab_size=data.tokenizer.vocab_size), data
     if cfg.model.vocab_size < data.tokenizer.vocab_size:

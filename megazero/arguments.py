@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import types
 import typing
 from dataclasses import MISSING, fields
 from typing import Any, Sequence
@@ -15,20 +14,11 @@ from typing import Any, Sequence
 import yaml
 
 from .config import SECTIONS, Config, ConfigError, flag
-
-
-def _scalar_type(annotation: Any) -> tuple[type, bool]:
-    """(element type, is_list) of an annotation such as ``int | None`` or ``list[str] | None``."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return _scalar_type(args[0])
-    if typing.get_origin(annotation) is list:
-        return typing.get_args(annotation)[0], True
-    return annotation, False
+from .config_fields import field_kind
 
 
 def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
-    kind, is_list = _scalar_type(annotation)
+    kind, is_list, _ = field_kind(annotation)
     names = [flag(f.name), *f.metadata.get("aliases", ())]
     default = f.default if f.default is not MISSING else None
     helptext = f"{f.metadata['help']} (default: {default})".replace("%", "%%")  # argparse formats help with %
@@ -93,8 +83,4 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py
         if key != "config" and key not in extra_names:
             settings[key] = value
     explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
-    try:
-        config = Config.from_flat(settings, explicit=explicit)
-    except TypeError as err:  # a YAML value of the wrong kind reaching a validator
-        raise ConfigError(f"a setting has the wrong type ({err}); check --config and the flags.") from None
-    return config, ns
+    return Config.from_flat(settings, explicit=explicit), ns

@@ -13,7 +13,8 @@ import enum
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .config_fields import ConfigError, check_bounds, flag, opt, require  # noqa: F401 (ConfigError, flag: re-exported)
+# ConfigError and flag are re-exported: callers import every config name from here
+from .config_fields import ConfigError, Needs, check_applicable, check_fields, flag, opt, require, when  # noqa: F401
 from .model_config import ModelConfig  # noqa: F401 (re-exported: one import for every section)
 
 
@@ -56,19 +57,22 @@ class ParallelConfig:
                                      at_least=1)
     cp_comm_type: str = opt("p2p", "Context-parallel attention: p2p (ring exchange of K/V, load-balanced split), "
                             "a2a (all-to-all from sequence to head shards, Ulysses) or a2a+p2p (all-to-all inside "
-                            "groups of --cp-a2a-size ranks, ring across them).", choices=("p2p", "a2a", "a2a+p2p"))
+                            "groups of --cp-a2a-size ranks, ring across them).", choices=("p2p", "a2a", "a2a+p2p"),
+                            applies=Needs("--cp 2 or more", ("context_parallel_size",), lambda cp: cp > 1))
     cp_a2a_size: int | None = opt(None, "--cp-comm-type a2a+p2p: ranks per all-to-all group (divides --cp; "
-                                  "consecutive ranks, so inside a node).", at_least=1)
+                                  "consecutive ranks, so inside a node).", at_least=1,
+                                  applies=when("cp_comm_type", "a2a+p2p"))
     zero: int = opt(0, "ZeRO stage: 0 all-reduce (DDP), 1 shard optimizer state, 2 also shard gradients, "
                     "3 also shard parameters (gathered one unit at a time).", choices=(0, 1, 2, 3))
     zero3_unit_layers: int = opt(1, "ZeRO 3: transformer blocks per gathered unit (embeddings, final norm and head "
-                                 "form one more unit per chunk).", at_least=1)
+                                 "form one more unit per chunk).", at_least=1, applies=when("zero", 3))
     zero3_prefetch: int = opt(1, "ZeRO 3: units whose all-gather is issued ahead of the one computing (next in "
                               "forward, previous in backward); 0 = gather only when needed.",
-                              at_least=0)
+                              at_least=0, applies=when("zero", 3))
     reshard_after_forward: bool = opt(True, "ZeRO 3: free a unit's gathered parameters after its forward and gather "
                                       "them again for its backward (3x parameter traffic); --no-reshard-after-"
-                                      "forward keeps them from forward to backward (2x, more memory).")
+                                      "forward keeps them from forward to backward (2x, more memory).",
+                                      applies=when("zero", 3))
     sequence_parallel: bool = opt(False, "Shard LayerNorm/dropout regions along the sequence across TP ranks.")
     allow_tp_across_nodes: bool = opt(False, "Accept TP groups that span nodes (all-reduces cross the network).")
     pipeline_schedule: str | None = opt(None, "Pipeline schedule; None = 1f1b, or interleaved when virtual "
@@ -81,11 +85,13 @@ class ParallelConfig:
                            "as it fills during backward (larger = fewer, bigger collectives).", at_least=1)
     overlap_param_gather: bool = opt(False, "ZeRO 1/2: all-gather updated weights asynchronously and wait for "
                                      "each bucket only in the next forward that uses it (ZeRO 3 always gathers "
-                                     "per unit in forward, overlapped by --zero3-prefetch).")
+                                     "per unit in forward, overlapped by --zero3-prefetch).",
+                                     applies=when("zero", 1, 2))
     reduce_every_micro_batch: bool = opt(False, "ZeRO 2: reduce-scatter each micro-batch's gradients into this rank's "
                                          "shard as its buckets fill (DeepSpeed's way), so no full-size gradient "
                                          "outlives a bucket under accumulation (2 + 14/N bytes per parameter at any "
-                                         "micro-batch count), at m reduce-scatters per step instead of one.")
+                                         "micro-batch count), at m reduce-scatters per step instead of one.",
+                                         applies=when("zero", 2))
     virtual_pipeline_size: int | None = opt(
         None, "Model chunks per pipeline rank (alternative to --num-layers-per-virtual-pipeline-stage); "
         "None or 1 = one chunk.", at_least=1)
@@ -96,22 +102,22 @@ class ParallelConfig:
                               "device), cpu (host memory) or disk (files under --offload-path); needs "
                               "--offload-optimizer cpu or disk.", choices=OFFLOAD_FLAGS)
     offload_path: str | None = opt(None, "--offload-optimizer/--offload-params disk: folder for the per-rank files "
-                                   "(a fast local disk; each rank writes rank<N>/ there).")
+                                   "(a fast local disk; each rank writes rank<N>/ there).",
+                                   applies=Needs("--offload-optimizer or --offload-params disk",
+                                                 ("offload_optimizer", "offload_params"),
+                                                 lambda optimizer, params: "disk" in (optimizer, params)))
     offload_buffers: int = opt(2, "--offload-optimizer disk: host buffers (one piece of state each) the step "
-                               "streams through; >= 2 so the next piece is read while one is updated.")
+                               "streams through; >= 2 so the next piece is read while one is updated.", at_least=2,
+                               applies=when("offload_optimizer", "disk"))
     offload_buffer_size: int = opt(2_000_000, "--offload-optimizer disk: shard elements per host buffer (12 bytes "
                                    "each: master + moments); a larger bucket shard streams through in pieces.",
-                                   at_least=64)
+                                   at_least=64, applies=when("offload_optimizer", "disk"))
     distributed_timeout_minutes: float = opt(10.0, "Minutes a collective may wait for a peer before the run fails "
                                              "(a dead or stuck rank then ends the job; fractions allowed).",
                                              above=0)
 
     def __post_init__(self) -> None:
-        check_bounds(self)
-        require(self.zero in (0, 1, 2, 3), f"--zero must be 0, 1, 2 or 3, got {self.zero}.")
-        words = f"{', '.join(OFFLOAD_FLAGS[:-1])} or {OFFLOAD_FLAGS[-1]}"
-        for name, where in (("optimizer", self.offload_optimizer), ("params", self.offload_params)):
-            require(where in OFFLOAD_FLAGS, f"--offload-{name} must be {words}, got {where!r}.")
+        check_fields(self)
         optimizer = Placement.from_flag_word(self.offload_optimizer)
         params = Placement.from_flag_word(self.offload_params)
         require(not params.offloaded or (self.zero == 3 and optimizer.offloaded),
@@ -121,16 +127,10 @@ class ParallelConfig:
         which = "--offload-optimizer" if optimizer is Placement.DISK else "--offload-params"
         require(not disk or bool(self.offload_path), f"{which} disk needs --offload-path DIR (a folder for the "
                                                       f"per-rank state files).")
-        require(self.offload_path is None or disk,
-                 "--offload-path only applies with --offload-optimizer or --offload-params disk; add one or drop it.")
-        require(self.cp_a2a_size is None or self.cp_comm_type == "a2a+p2p",
-                "--cp-a2a-size only applies with --cp-comm-type a2a+p2p; add it or drop --cp-a2a-size.")
         require(self.cp_comm_type != "a2a+p2p" or (self.cp_a2a_size is not None and self.cp % self.cp_a2a_size == 0
                                                    and 1 < self.cp_a2a_size < self.cp),
                 f"--cp-comm-type a2a+p2p needs --cp-a2a-size U with 1 < U < --cp ({self.cp}) and U dividing --cp "
                 f"(got {self.cp_a2a_size}); use --cp-comm-type p2p or a2a for the pure forms.")
-        require(self.offload_buffers >= 2, f"--offload-buffers must be >= 2 (one bucket is read ahead while one "
-                                           f"is updated), got {self.offload_buffers}.")
 
     @property
     def tp(self) -> int:
@@ -164,7 +164,7 @@ class OptimizerConfig:
     lr_decay_iters: int | None = opt(None, "Iterations over which the LR decays; None = --train-iters.", at_least=1)
     lr_decay_style: str = opt("cosine", "LR decay shape.", choices=("constant", "linear", "cosine", "wsd"))
     lr_wsd_decay_fraction: float = opt(0.2, "For wsd: fraction of decay iterations spent in the final decay.",
-                                       at_least=0, at_most=1)
+                                       at_least=0, at_most=1, applies=when("lr_decay_style", "wsd"))
     weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and norm weights).", at_least=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.", at_least=0, below=1)
     adam_beta2: float = opt(0.95, "AdamW beta2.", at_least=0, below=1)
@@ -172,7 +172,7 @@ class OptimizerConfig:
     clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.", at_least=0)
 
     def __post_init__(self) -> None:
-        check_bounds(self)
+        check_fields(self)
         require(self.min_lr <= self.lr, f"--min-lr ({self.min_lr}) must not exceed --lr ({self.lr}).")
         warmup = (f"--lr-warmup-fraction {self.lr_warmup_fraction} of it" if self.lr_warmup_fraction is not None
                   else f"--lr-warmup-iters ({self.lr_warmup_iters})")
@@ -193,12 +193,10 @@ class DataConfig:
     data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
                                       "None = the embedded default corpus.")
     tokenizer_model: str | None = opt(None, "Sentencepiece model file; None = the default corpus's tokenizer.")
-    tokenizer_type: str | None = opt(None, "Tokenizer kind: sentencepiece (a .model file) or hf (a tokenizer.json, "
-                                     "or a folder holding one); None = inferred from --tokenizer-model.",
-                                     choices=("sentencepiece", "hf"))
     split: str = opt("969,30,1", "Train/valid/test proportions of the documents.")
-    data_cache_path: str | None = opt(None, "Folder for the sample-index caches (Megatron's flag), for a read-only "
-                                      "data folder; None = an index-cache folder beside each --data-path prefix.")
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,10 +211,12 @@ class TrainingConfig:
     fp16: bool = opt(False, "fp16 compute weights with fp32 master weights and dynamic loss scaling.")
     main_grads_dtype: str = opt("fp32", "Dtype of the accumulated main gradients with --bf16/--fp16 "
                                 "(bf16 = the ZeRO paper's 2+2+12 bytes/param).", choices=("fp32", "bf16"))
-    initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.", above=0)
-    min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.", above=0)
+    initial_loss_scale: float = opt(65536.0, "--fp16: starting dynamic loss scale.", above=0,
+                                    applies=when("fp16", True))
+    min_loss_scale: float = opt(1.0, "--fp16: the loss scale never drops below this.", above=0,
+                                applies=when("fp16", True))
     loss_scale_window: int = opt(1000, "--fp16: double the loss scale after this many steps without overflow.",
-                                 at_least=1)
+                                 at_least=1, applies=when("fp16", True))
     max_skipped_steps: int = opt(10, "Stop the run after this many consecutive steps skipped for a non-finite "
                                  "loss or grad norm (fp16 loss-scale halvings above --min-loss-scale "
                                  "do not count); 0 = never stop.", at_least=0)
@@ -230,9 +230,10 @@ class TrainingConfig:
                          choices=("none", "selective", "full", "auto"))
     memory_budget_gb: float | None = opt(None, "--recompute auto: memory per rank, in GiB, to fit (overrides what "
                                          "the device reports); None = the device's.", above=0,
-                                         at_most=1024 * 1024)
+                                         at_most=1024 * 1024, applies=when("recompute", "auto"))
     recompute_num_layers: int | None = opt(None, "With --recompute full: recompute only the first N blocks of "
-                                           "each model chunk; None = all of them.", at_least=0)
+                                           "each model chunk; None = all of them.", at_least=0,
+                                           applies=when("recompute", "full", "auto"))
     cross_entropy_chunk_size: int = opt(0, "Compute the output head and the loss fused, this many tokens at a time, "
                                         "so the fp32 logits are never held whole; 0 = the plain head then loss.",
                                         at_least=0)
@@ -240,18 +241,10 @@ class TrainingConfig:
                         "shared by all blocks, module hooks and recompute unchanged; docs/performance.md).")
     compile_backend: str = opt("inductor", "--compile: the torch.compile backend; aot_eager traces the same graphs "
                                "without generating code (tells a tracing problem from a codegen one).",
-                               choices=("inductor", "aot_eager", "eager"))
+                               choices=("inductor", "aot_eager", "eager"), applies=when("compile", True))
 
     def __post_init__(self) -> None:
-        require(self.recompute in ("none", "selective", "full", "auto"),
-                 f"--recompute must be none, selective, full or auto, got {self.recompute!r}.")
-        require(self.memory_budget_gb is None or self.recompute == "auto",
-                f"--memory-budget-gb {self.memory_budget_gb} only applies with --recompute auto (here "
-                f"{self.recompute}); drop it or pass --recompute auto.")
-        check_bounds(self)
-        require(self.recompute_num_layers is None or self.recompute in ("full", "auto"),
-                f"--recompute-num-layers {self.recompute_num_layers} only applies with --recompute full (here "
-                f"{self.recompute}); drop it or pass --recompute full.")
+        check_fields(self)
         require(self.eval_iters >= 1 or not self.eval_interval,
                 f"--eval-iters 0 with --eval-interval {self.eval_interval} evaluates no batch; pass --eval-iters "
                 f">= 1, or --eval-interval 0 to turn evaluation off.")
@@ -279,28 +272,28 @@ class LoggingConfig:
     wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.")
 
     def __post_init__(self) -> None:
-        check_bounds(self)
+        check_fields(self)
+
+
+_WITH_SAVE = Needs("--save DIR", ("save",), lambda save: save is not None)  # nothing is saved without it
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     save: str | None = opt(None, "Folder to write checkpoints to (each iteration in its own iter_* folder).")
     save_interval: int = opt(0, "Save every N iterations (and at the end, and on SIGTERM/SIGINT); 0 = only "
-                                "at the end and on a signal.", at_least=0)
+                                "at the end and on a signal.", at_least=0, applies=_WITH_SAVE)
     load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
                                  "tp/pp/dp/zero layout loads into any other of the same model.")
-    keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.", at_least=1)
+    keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.", at_least=1,
+                                applies=_WITH_SAVE)
     async_save: bool = opt(False, "Save in the background: the step only copies this rank's shard to host memory "
                            "(pinned on CUDA); a thread writes the files, and the checkpoint is published once every "
-                           "rank's write is done (the next save and the end of training wait for it).")
+                           "rank's write is done (the next save and the end of training wait for it).",
+                           applies=_WITH_SAVE)
 
     def __post_init__(self) -> None:
-        check_bounds(self)
-        idle = [name for name, on in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last),
-                                      ("--async-save", self.async_save)) if on]
-        require(self.save is not None or not idle,
-                f"{', '.join(idle)} without --save: nothing would be saved; add --save DIR (the checkpoint folder) "
-                f"or drop {'them' if len(idle) > 1 else 'it'}.")
+        check_fields(self)
 
 
 def _by_section(settings: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -342,10 +335,14 @@ class Config:
 
     @classmethod
     def from_flat(cls, settings: dict[str, Any], explicit: frozenset[str] = frozenset()) -> "Config":
-        """Route each flat key to its section; an unknown key is an error naming it."""
+        """Route each flat key to its section; an unknown key is an error naming it. A setting given
+        (``explicit``, or off its default) that cannot apply to this run is refused; ``updated`` does not
+        refuse, since what it changes is the program's derivation (a planner's candidate), not the user's."""
         per_section = _by_section(settings)
-        return cls(**{section: SECTIONS[section](**per_section.get(section, {})) for section in SECTIONS},
-                   explicit=explicit)
+        config = cls(**{section: SECTIONS[section](**per_section.get(section, {})) for section in SECTIONS},
+                     explicit=explicit)
+        check_applicable([getattr(config, section) for section in SECTIONS], explicit)
+        return config
 
     def updated(self, **settings: Any) -> "Config":
         """A copy with these flat settings changed; every changed section validates itself again."""

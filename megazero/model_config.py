@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_fields import check_bounds, opt, require
+from .config_fields import check_fields, opt, require
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,8 +47,7 @@ class ModelConfig:
                                  above=0)
 
     def __post_init__(self) -> None:
-        check_bounds(self)
-        require(self.arch in ("gpt2", "llama"), f"--arch must be gpt2 or llama, got {self.arch!r}.")
+        check_fields(self)
         require(self.hidden_size % self.num_attention_heads == 0,
                  f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                  f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension.")
@@ -64,7 +63,6 @@ class ModelConfig:
     def _check_rope_scaling(self) -> None:
         """Scaling values must make sense, and never be given without a type that uses them."""
         kind = self.rope_scaling_type
-        require(kind in (None, "llama3"), f"--rope-scaling-type must be llama3 or omitted, got {kind!r}.")
         require(kind is None or self.arch == "llama",
                  f"--rope-scaling-type {kind} needs --arch llama (gpt2 has no RoPE); drop the flag.")
         values = (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,

@@ -1,9 +1,13 @@
-"""Every numeric flag is range-checked where it is parsed: one line naming the flag, never a silent run.
+"""Every numeric flag is range-checked where it is parsed, and a flag that cannot apply to the run is refused:
+one line naming the flag, never a silent run.
 
 Each case below was accepted before (issue 22): ``--eval-iters 0`` reported a validation loss of 0,
 ``--eval-interval -1`` evaluated every step, ``--lr-decay-iters -3`` trained at LR 0, a warm-up
 longer than the decay jumped to the minimum LR, ``--make-vocab-size-divisible-by 0`` crashed with a
-traceback, and ``--dp`` outside ``--dry-run`` was ignored. The metrics file must stay strict JSON.
+traceback, and ``--dp`` outside ``--dry-run`` was ignored. Issue 30: ``--compile-backend`` without
+``--compile``, ``--zero3-*`` below ZeRO 3, ``--overlap-param-gather`` at ZeRO 3, ``--offload-buffer-size``
+without disk offload and ``--cp-comm-type`` at cp 1 were accepted and ignored. The metrics file must stay
+strict JSON.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import sys
 import pytest
 
 from megazero.arguments import parse_config
-from megazero.config import ConfigError
+from megazero.config import Config, ConfigError
 from megazero.optimizer.lr import LRSchedule
 from megazero.training.metrics import MetricsLog
 from tests.helpers.launch import ROOT
@@ -38,10 +42,6 @@ BAD = [  # (flags, the flag the one line must name)
     (["--make-vocab-size-divisible-by", "0"], "--make-vocab-size-divisible-by"),
     (["--lr", "nan"], "--lr"),
     (["--lr", "inf"], "--lr"),
-    (["--save-interval", "10"], "--save-interval without --save"),  # nothing would be saved
-    (["--keep-last", "2", "--async-save"], "--keep-last, --async-save without --save"),
-    (["--load", "ckpt", "--async-save"], "--async-save without --save"),
-    (["--recompute", "selective", "--recompute-num-layers", "2"], "--recompute-num-layers 2 only applies"),
     (["--lr-wsd-decay-fraction", "2"], "--lr-wsd-decay-fraction"),
     (["--norm-epsilon", "0"], "--norm-epsilon"),
     (["--init-method-std", "-1"], "--init-method-std"),
@@ -58,12 +58,69 @@ BAD = [  # (flags, the flag the one line must name)
 ]
 
 
-@pytest.mark.parametrize("flags,name", BAD, ids=[" ".join(f) for f, _ in BAD])
+IGNORED = [  # (flags, the one line's start): each was accepted and did nothing before issue 30 (some: issue 22)
+    (["--compile-backend", "aot_eager"],
+     "--compile-backend aot_eager only applies with --compile (here no --compile)"),
+    (["--zero", "2", "--zero3-prefetch", "2"], "--zero3-prefetch 2 only applies with --zero 3 (here --zero 2); "
+                                               "drop it or pass --zero 3."),
+    (["--zero", "1", "--zero3-unit-layers", "2"], "--zero3-unit-layers 2 only applies with --zero 3 (here --zero 1)"),
+    (["--zero", "2", "--no-reshard-after-forward"], "--no-reshard-after-forward only applies with --zero 3"),
+    (["--zero", "3", "--overlap-param-gather"],
+     "--overlap-param-gather only applies with --zero 1 or 2 (here --zero 3)"),
+    (["--overlap-param-gather"], "--overlap-param-gather only applies with --zero 1 or 2 (here --zero 0)"),
+    (["--zero", "1", "--reduce-every-micro-batch"], "--reduce-every-micro-batch only applies with --zero 2"),
+    (["--offload-buffer-size", "4096"], "--offload-buffer-size 4096 only applies with --offload-optimizer disk"),
+    (["--zero", "1", "--offload-optimizer", "cpu", "--offload-buffers", "3"],
+     "--offload-buffers 3 only applies with --offload-optimizer disk (here --offload-optimizer cpu)"),
+    (["--offload-path", "off"], "--offload-path off only applies with --offload-optimizer or --offload-params disk"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type a2a only applies with --cp 2 or more (here --cp 1)"),
+    (["--cp", "2", "--cp-a2a-size", "2"], "--cp-a2a-size 2 only applies with --cp-comm-type a2a+p2p"),
+    (["--recompute", "selective", "--recompute-num-layers", "2"],
+     "--recompute-num-layers 2 only applies with --recompute full or auto (here --recompute selective)"),
+    (["--memory-budget-gb", "8"], "--memory-budget-gb 8.0 only applies with --recompute auto (here --recompute none)"),
+    (["--initial-loss-scale", "1024"], "--initial-loss-scale 1024.0 only applies with --fp16"),
+    (["--bf16", "--loss-scale-window", "10"], "--loss-scale-window 10 only applies with --fp16"),
+    (["--lr-wsd-decay-fraction", "0.3"], "--lr-wsd-decay-fraction 0.3 only applies with --lr-decay-style wsd"),
+    (["--save-interval", "10"], "--save-interval 10 only applies with --save DIR (here no --save)"),
+    (["--keep-last", "2", "--async-save"], "--keep-last 2 only applies with --save DIR"),
+    (["--load", "ckpt", "--async-save"], "--async-save only applies with --save DIR"),
+]
+
+
+@pytest.mark.parametrize("flags,name", BAD + IGNORED, ids=[" ".join(f) for f, _ in BAD + IGNORED])
 def test_out_of_range_flag_is_one_line_naming_it(flags, name):
     with pytest.raises(ConfigError) as err:
         parse_config(flags)
     text = str(err.value)
     assert name in text and "\n" not in text, text
+
+
+@pytest.mark.parametrize("flags", [
+    ["--compile", "--compile-backend", "aot_eager"], ["--zero", "3", "--zero3-prefetch", "2", "--zero3-unit-layers",
+                                                      "2", "--no-reshard-after-forward"],
+    ["--zero", "2", "--overlap-param-gather", "--reduce-every-micro-batch"], ["--cp", "2", "--cp-comm-type", "a2a"],
+    ["--cp", "4", "--cp-comm-type", "a2a+p2p", "--cp-a2a-size", "2"],
+    ["--zero", "1", "--offload-optimizer", "disk", "--offload-path", "off", "--offload-buffers", "3",
+     "--offload-buffer-size", "4096"],
+    ["--recompute", "auto", "--memory-budget-gb", "8", "--recompute-num-layers", "1"],
+    ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "10"],
+    ["--lr-decay-style", "wsd", "--lr-wsd-decay-fraction", "0.3"],
+    ["--sequence-parallel"],  # at tp 1 too: the presets set it for any --tp
+])
+def test_flags_that_apply_are_accepted(flags):
+    parse_config(flags)
+
+
+def test_only_given_settings_are_refused():
+    """A default never trips the check; a Python caller's off-default value counts as given; ``updated``
+    (a planner trying --zero 1 for a --zero 3 run) derives configs without refusing the user's settings."""
+    parse_config(["--zero", "1"])  # --zero3-prefetch's default 1 is not the user's
+    with pytest.raises(ConfigError, match="--zero3-prefetch 2 only applies with --zero 3"):
+        Config.from_flat({"zero3_prefetch": 2})
+    with pytest.raises(ConfigError, match="--zero3-prefetch 1 only applies with --zero 3"):
+        Config.from_flat({"zero3_prefetch": 1}, explicit=frozenset({"zero3_prefetch"}))  # named, though default
+    cfg, _ = parse_config(["--zero", "3", "--zero3-prefetch", "2"])
+    assert cfg.updated(zero=1).parallel.zero3_prefetch == 2
 
 
 @pytest.mark.parametrize("flags", [["--eval-iters", "0"], ["--lr-warmup-fraction", "1"], ["--adam-beta1", "0"],

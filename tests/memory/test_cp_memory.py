@@ -52,7 +52,8 @@ def small_config(arch: str, cp: int, comm: str = "p2p", recompute: str = "none",
                  hidden: int = 64, seq: int = 64, **flat) -> Config:
     return Config.from_flat({**ARCHS[arch], "num_layers": 2, "hidden_size": hidden, "seq_length": seq,
                              "vocab_size": VOCAB, "micro_batch_size": BATCH, "global_batch_size": 4 * BATCH,
-                             "device": "cpu", "seed": 5, "context_parallel_size": cp, "cp_comm_type": comm,
+                             "device": "cpu", "seed": 5, "context_parallel_size": cp,
+                             "cp_comm_type": comm if cp > 1 else "p2p",  # the serial reference exchanges nothing
                              "recompute": recompute, "hidden_dropout": dropout, **flat})
 
 

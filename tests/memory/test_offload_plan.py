@@ -54,9 +54,10 @@ EXACT = ("optimizer_bytes", "optimizer_host_bytes", "optimizer_disk_bytes", "par
 def _config(zero: int, precision: str, model: str, offload: str, buffers: int, params: str, folder: str) -> Config:
     flat = {**MODELS[model], "zero": zero, "bf16": precision == "bf16", "micro_batch_size": 2,
             "global_batch_size": 8, "device": "cpu", "bucket_size": 3000, "offload_optimizer": offload,
-            "offload_params": params, "offload_buffers": buffers,
-            "offload_buffer_size": 500,  # below a bucket's shard: the disk tier's buffers follow it, not the bucket
-            "offload_path": folder if "disk" in (offload, params) else None}
+            "offload_params": params, "offload_path": folder if "disk" in (offload, params) else None}
+    if offload == "disk":  # the host buffers exist only for the disk tier of the optimizer state
+        flat.update(offload_buffers=buffers,
+                    offload_buffer_size=500)  # below a bucket's shard: the buffers follow it, not the bucket
     return Config.from_flat(flat)
 
 

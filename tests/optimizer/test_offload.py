@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 
+from megazero.arguments import parse_config
 from megazero.config import Config, ConfigError
 from megazero.optimizer.accounting import measured_state_bytes
 from megazero.optimizer.offload import DiskStore, OffloadError
@@ -128,8 +129,8 @@ def test_offload_tp2_pp2_dp2_zero3_bitwise(tmp_path):
 def test_offload_flags_and_errors(tmp_path, monkeypatch, capsys):
     with pytest.raises(ConfigError, match="--offload-optimizer disk needs --offload-path"):
         make_cfg(zero=1).updated(offload_optimizer="disk")
-    with pytest.raises(ConfigError, match="--offload-path only applies"):
-        make_cfg(zero=1).updated(offload_path=str(tmp_path))
+    with pytest.raises(ConfigError, match="--offload-path .* only applies"):
+        parse_config(["--zero", "1", "--offload-path", str(tmp_path)])
     with pytest.raises(ConfigError, match="--offload-buffers must be >= 2"):
         make_cfg(zero=1).updated(offload_optimizer="disk", offload_path=str(tmp_path), offload_buffers=1)
     with pytest.raises(ConfigError, match="--offload-buffer-size must be >= 64"):

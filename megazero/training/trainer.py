@@ -220,7 +220,7 @@ class Trainer:
         every rank, said in one line); the error leaves saying what ``latest`` names on disk."""
         try:
             self._save_hook("finish")
-        except (OSError, ValueError, RuntimeError) as failed:  # the save's vote: every rank raised it
+        except Exception as failed:  # noqa: BLE001 - the save's vote: every rank raised (its own or the reported)
             self.log.print(f"megazero: stopping: {failed}")
         latest = self._latest()
         return AgreedStop(f"{err} {latest}." if latest else str(err))

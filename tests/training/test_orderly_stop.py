@@ -67,13 +67,42 @@ def test_divergence_stop_publishes_the_pending_async_save(diverged):
         assert "not published" not in r.stdout + r.stderr
 
 
+FULL_DISK_ON_RANK_1 = """
+import os, resource, signal, sys
+from tests.helpers.script_exit import run_then_exit
+
+if os.environ["RANK"] == "1":  # a real write limit: this rank's optimizer shard cannot be written
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+import pretrain_gpt
+run_then_exit(lambda: pretrain_gpt.main(sys.argv[1:]))
+"""
+
+
+def test_divergence_stop_says_truly_that_the_pending_save_failed(tmp_path):
+    """The pending save's write failed on rank 1: the stop concludes it on every rank (nothing published,
+    the staging folder removed), says so in one line, and the stop's own error claims no checkpoint."""
+    script, root = tmp_path / "full_disk.py", str(tmp_path / "ckpt")
+    script.write_text(FULL_DISK_ON_RANK_1)
+    results = launch(str(script), [*SMALL, *DIVERGE, "--save", root], 2, timeout=GUARD)
+    assert os.listdir(root) == []
+    for rank, r in enumerate(results):
+        errors = _errors(r.stderr)
+        assert r.returncode == 2 and len(errors) == 1, f"rank {rank}:\n{r.stderr[-3000:]}"
+        assert "stopped at iteration 2" in errors[0], errors[0]
+        assert errors[0].endswith(f"{root} holds no published checkpoint yet (no 'latest')."), errors[0]
+    stopping = [line for line in results[0].stdout.splitlines() if line.startswith("megazero: stopping:")]
+    assert len(stopping) == 1 and "optim_tp00_pp00_dp01.safetensors" in stopping[0], results[0].stdout[-3000:]
+    assert (f"checkpoint of iteration 1 not saved, {root} holds no published checkpoint yet (no 'latest')"
+            in stopping[0]), stopping[0]
+
+
 def test_checkpoint_published_at_the_stop_loads_and_resumes(diverged):
     tmp, root, _ = diverged
     metrics = tmp / "resumed.jsonl"
     results = launch("pretrain_gpt.py", [*SMALL, "--lr", "1e-3", "--train-iters", "2", "--max-skipped-steps", "0",
-                                         "--load", root, "--metrics-file", str(metrics)], 2, timeout=GUARD)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"rank {rank}:\n{r.stderr[-3000:]}"
+                                         "--load", root, "--metrics-file", str(metrics)], 1, timeout=GUARD)
+    assert results[0].returncode == 0, results[0].stderr[-3000:]  # one rank: the dp 2 shards resharded on load
     assert f"loading checkpoint {root}/iter_0000001 (iteration 1)" in results[0].stdout
     assert _iterations(metrics) == [(2, 8)]  # resumed after iteration 1, its 4 samples consumed
 

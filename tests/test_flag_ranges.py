@@ -152,7 +152,8 @@ def _pretrain(*flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("flags,words", [(["--dp", "4"], "--dp 4 only applies with --dry-run"),
                                          (["--dp", "0", "--dry-run"], "--dp must be >= 1"),
-                                         (["--eval-interval", "-1"], "--eval-interval must be >= 0")])
+                                         (["--eval-interval", "-1"], "--eval-interval must be >= 0"),
+                                         (["--zero3-prefetch", "2"], "--zero3-prefetch 2 only applies with --zero 3")])
 def test_pretrain_refuses_in_one_line(flags, words):
     """Through the script as a user runs it: exit 2, one stderr line, no traceback, before any group."""
     r = _pretrain("--config", "configs/tiny.yaml", *flags)

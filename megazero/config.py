@@ -193,7 +193,12 @@ class DataConfig:
     data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
                                       "None = the embedded default corpus.")
     tokenizer_model: str | None = opt(None, "Sentencepiece model file; None = the default corpus's tokenizer.")
+    tokenizer_type: str | None = opt(None, "Tokenizer kind: sentencepiece (a .model file) or hf (a tokenizer.json, "
+                                     "or a folder holding one); None = inferred from --tokenizer-model.",
+                                     choices=("sentencepiece", "hf"))
     split: str = opt("969,30,1", "Train/valid/test proportions of the documents.")
+    data_cache_path: str | None = opt(None, "Folder for the sample-index caches (Megatron's flag), for a read-only "
+                                      "data folder; None = an index-cache folder beside each --data-path prefix.")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -1,0 +1,115 @@
+"""tools/generate.py on checkpoints that pretrain_gpt.py saved at tp 2 x pp 2 (4 ranks, 2 iterations).
+
+Greedy ids must equal transformers' greedy ``generate`` on the same checkpoint exported with
+tools/convert_checkpoint.py --to hf (for gpt2, and for llama with GQA and Llama-3 RoPE scaling).
+The weights are drawn with a wide init (std 0.2) so the next-token margins are far above the
+~1e-6 by which two fp32 implementations differ, and the 32 ids vary.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.launch import ROOT, launch
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = "Return the number of"
+ARCH_FLAGS = {
+    "gpt2": ["--arch", "gpt2", "--num-attention-heads", "4"],
+    "llama": ["--arch", "llama", "--num-attention-heads", "4", "--num-query-groups", "2", "--rope-scaling-type",
+              "llama3", "--rope-scaling-factor", "4", "--rope-scaling-original-max-position-embeddings", "16"],
+}
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "48", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--train-iters", "2", "--lr", "1e-3", "--init-method-std", "0.2",
+         "--log-interval", "1", "--tp", "2", "--pp", "2"]
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module", params=sorted(ARCH_FLAGS))
+def saved(request, tmp_path_factory) -> tuple[str, str]:
+    """(checkpoint saved at tp 2 x pp 2, its HF export)."""
+    root = tmp_path_factory.mktemp(f"generate_{request.param}")
+    ckpt, hf = str(root / "ckpt"), str(root / "hf")
+    results = launch("pretrain_gpt.py", [*ARCH_FLAGS[request.param], *SMALL, "--save", ckpt], 4)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"rank {rank}:\n{r.stderr[-3000:]}"
+    assert _tool("convert_checkpoint").main(["--input", ckpt, "--output", hf, "--to", "hf"]) == 0
+    return ckpt, hf
+
+
+def _generate(capsys, *args: str) -> list[dict]:
+    """Run the tool in this process; the JSON lines of --print-ids, one per prompt."""
+    capsys.readouterr()
+    assert _tool("generate").main([*args, "--print-ids"]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_greedy_ids_equal_transformers_generate(saved, capsys):
+    ckpt, hf = saved
+    [record] = _generate(capsys, "--load", ckpt, "--prompt", PROMPT, "--max-new-tokens", "32")
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    assert hf_tokenizer(PROMPT, add_special_tokens=False)["input_ids"] == record["prompt_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    prompt = torch.tensor([record["prompt_ids"]])
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                             pad_token_id=hf_tokenizer.pad_token_id)
+    assert out[0, prompt.shape[1]:].tolist() == record["new_ids"]
+    assert len(record["new_ids"]) == 32 and record["stop"] == "max_new_tokens"
+    assert len(set(record["new_ids"])) > 4, record["new_ids"]  # a varied continuation, not one token repeated
+
+
+def test_sampling_repeats_with_a_seed_and_top_k_1_is_greedy(saved, capsys):
+    ckpt, _ = saved
+    base = ["--load", ckpt, "--prompt", PROMPT, "--prompt", "", "--max-new-tokens", "12"]
+    hot = [*base, "--temperature", "1.5", "--top-p", "0.95"]
+    first, again = _generate(capsys, *hot, "--seed", "1"), _generate(capsys, *hot, "--seed", "1")
+    assert len(first) == 2 and first == again
+    assert _generate(capsys, *hot, "--seed", "2") != first
+    greedy = _generate(capsys, *base)
+    assert _generate(capsys, *base, "--temperature", "3", "--top-k", "1", "--seed", "5") == greedy
+    assert greedy[1]["prompt_ids"] == [2]  # an empty prompt starts where a document starts: after end-of-document
+
+
+def test_a_missing_load_folder_is_one_line(tmp_path):
+    """Run as a user would: exit 2 with one line on stderr."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load",
+                           str(tmp_path / "nope"), "--prompt", "x"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == (f"generate.py: error: --load {str(tmp_path / 'nope')!r} does not exist or is not "
+                                   "a folder; pass the --save folder of a training run")
+
+
+def _one_line_failure(capsys, args: list[str]) -> str:
+    """The tool in this process must exit 2 with one line on stderr, which is returned."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        _tool("generate").main(args)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
+    return err.strip()
+
+
+@pytest.mark.parametrize("flags,words", [(["--top-p", "1.5"], "--top-p"), (["--temperature", "hot"], "--temperature"),
+                                         (["--max-new-tokens", "0"], "--max-new-tokens")])
+def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
+    assert words in _one_line_failure(capsys, ["--load", str(tmp_path), "--prompt", "x", *flags])
+
+
+def test_too_long_a_prompt_is_one_line(saved, capsys):
+    line = _one_line_failure(capsys, ["--load", saved[0], "--prompt", PROMPT, "--max-new-tokens", "46"])
+    assert "--max-new-tokens 46" in line and "more than the model's 48" in line

@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..config import Config, ModelConfig
+from ..config import Config, ConfigError, ModelConfig
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.layout import Layout
 from ..pipeline.partition import chunk_layer_ranges
-from ..run_plan import layout_record
+from ..run_plan import RunPlan, layout_record
 from ..tensor_parallel.layers import spec_of
 from . import hf_folder, storage
 from .hf import from_hf, hf_config, model_config_from_hf, to_hf
@@ -70,9 +70,31 @@ def _stages_of(name: str, cfg: Config, pp: int, vp: int) -> list[int]:
     return [pp - 1]  # final norm and output head
 
 
+def target_config(cfg: Config, *, tp: int, pp: int, vp: int = 1) -> Config:
+    """``cfg`` laid out at (tp, pp, vp), checked as a run at that layout checks it; raises ConfigError first.
+
+    The run's own checks (``Config`` sections, ``RunPlan.resolve``) refuse a --tp that does not divide the
+    heads, query groups, hidden or MLP width, a --pp that does not divide the layers, degrees below 1. The
+    batch is the resuming run's choice, not the checkpoint's, so it is checked at one that fits any pipeline.
+    """
+    try:
+        target = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        as_run = target.updated(virtual_pipeline_size=vp if vp != 1 else None,
+                                global_batch_size=target.training.micro_batch_size * pp)
+        RunPlan.resolve(as_run, world_size=tp * pp)
+    except ConfigError as err:
+        vp_flag = f" --virtual-pipeline-size {vp}" if vp != 1 else ""
+        raise ConfigError(f"target layout --tp {tp} --pp {pp}{vp_flag} does not fit the model: {err}") from None
+    return target
+
+
 def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, vp: int = 1,
                      iteration: int = 0) -> str:
-    """Slice a full state into a (tp, pp, vp) megazero checkpoint with no optimizer state."""
+    """Slice a full state into a (tp, pp, vp) megazero checkpoint with no optimizer state.
+
+    The layout is validated before anything is written: a checkpoint a run could not load is never made.
+    """
+    saved_cfg = target_config(cfg, tp=tp, pp=pp, vp=vp)
     with torch.device("meta"):
         specs = {n: spec_of(p) for n, p in GPTModel(cfg.model, TPContext()).named_parameters()}
     if set(specs) != set(state):
@@ -100,7 +122,6 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
                 entry["files"][fname] = region
             save_file(tensors, os.path.join(staging, fname))
     layout = layout_record(Layout(tp=tp, dp=1, pp=pp), cfg.parallel.zero, vp)
-    saved_cfg = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     meta = storage.metadata_dict(config=saved_cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
                                  model=index, optimizer_scalars={}, optimizer_files={}, rng_files=False)
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
@@ -212,6 +233,6 @@ def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
 
 def hf_to_checkpoint(in_dir: str, out_root: str, *, tp: int, pp: int, vp: int = 1) -> str:
     model_cfg, hf_state = load_hf(in_dir)
-    cfg = Config(model=model_cfg)
+    cfg = target_config(Config(model=model_cfg), tp=tp, pp=pp, vp=vp)  # before from_hf pads for tp
     full = from_hf(hf_state, model_cfg, model_cfg.padded_vocab_size(tp))
     return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp)

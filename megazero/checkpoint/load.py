@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors import safe_open
@@ -23,7 +23,7 @@ from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import full_shape, spec_of
-from . import storage
+from . import rng_streams, storage
 from .save import KINDS, named_parameters
 from .slices import Region, intersect, relative, tp_region
 
@@ -72,22 +72,23 @@ class ShardReader:
         return t
 
 
-def agree(pstate: ParallelState, fn: Callable[..., Any], *args: Any) -> None:
-    """Run ``fn``; a ValueError on any rank raises on every rank.
+def agree(pstate: ParallelState, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` and return what it returns; a ValueError on any rank raises on every rank.
 
     Each rank reads only the shards it needs, so a damaged file may fail one rank alone: one
     all-gather that every rank reaches (failed or not) shares the verdict, and no rank goes on
     to a collective that the failed rank would never join.
     """
+    result = mine = None
     try:
-        fn(*args)
-        mine = None
+        result = fn(*args)
     except (ValueError, OSError) as err:
         mine = str(err)
     verdicts = C.all_gather_object(mine, pstate.world_group)
     first = mine or next((v for v in verdicts if v), None)
     if first:
         raise ValueError(first)
+    return result
 
 
 def model_keys() -> list[str]:
@@ -239,17 +240,21 @@ def starts_fresh(load: str | None, save: str | None) -> bool:
     return not holds_checkpoint(load)
 
 
-# What a rank's RNG file depends on: which rank holds which (tp, cp, pp, dp) coordinates and which layers'
-# dropout streams (virtual stages), and how many micro-batches a step draws (dp). Not the ZeRO
-# stage or offload: they move optimizer state, not random draws. (Checkpoints from before context
-# parallelism have no "cp": they were cp 1.)
-STREAM_KEYS = ("tp", "cp", "pp", "dp", "virtual_stages")
+def resume_rng(folder: str, meta: dict[str, Any], plan: RunPlan, pstate: ParallelState, tp_rng: Any) -> str | None:
+    """Restore every saved generator whose state does not depend on what changed (``rng_streams``).
 
-
-def same_streams(meta: dict[str, Any], plan: RunPlan) -> bool:
-    """Whether each rank's saved RNG file holds this run's generators (then the run resumes them exactly)."""
-    saved, now = meta["layout"], plan.layout_record()
-    return all(saved.get(key, 1 if key == "cp" else None) == now[key] for key in STREAM_KEYS)
+    Returns the one line to print when some kinds start again from --seed instead; None when all resume.
+    A checkpoint without RNG files (a converted one) leaves every generator as --seed made it.
+    """
+    if not has_rng(meta):
+        return None
+    saved = rng_streams.rng_axes(meta["layout"], meta["config"].get("sequence_parallel", False))
+    changed = rng_streams.changed_axes(saved, rng_streams.rng_axes(plan.layout_record(), plan.sequence_parallel))
+    source = rng_streams.source_rank(saved, plan.layout, pstate.rank)
+    resumable = [kind for kind in rng_streams.KINDS if not kind.depends_on & changed.keys()]
+    held = rng_streams.held_kinds(agree(pstate, _load_rng, folder, source, resumable, pstate, tp_rng))
+    reseed = rng_streams.reseeded(held, changed)
+    return rng_streams.describe(held, reseed, changed) if reseed else None
 
 
 def has_rng(meta: dict[str, Any]) -> bool:
@@ -258,21 +263,37 @@ def has_rng(meta: dict[str, Any]) -> bool:
 
 
 def load_rng(folder: str, pstate: ParallelState, tp_rng: Any) -> None:
-    """Exact resume: restore this rank's generators (every rank raises if any rank's file is bad)."""
-    agree(pstate, _load_rng, folder, pstate, tp_rng)
+    """Exact resume in the saved layout: restore this rank's generators (any rank's bad file raises on every rank)."""
+    agree(pstate, _load_rng, folder, pstate.rank, rng_streams.KINDS, pstate, tp_rng)
 
 
-def _load_rng(folder: str, pstate: ParallelState, tp_rng: Any) -> None:
-    handle = ShardReader(folder)._open(storage.rng_file(pstate.rank))
+def _open_rng(folder: str, rank: int) -> Any:
     try:
-        torch.set_rng_state(handle.get_tensor("cpu"))
-        if pstate.device.type == "cuda" and "cuda" in handle.keys():
+        return ShardReader(folder)._open(storage.rng_file(rank))
+    except Exception as err:  # noqa: BLE001 - missing or not safetensors
+        raise _unusable(folder, rank, err) from None
+
+
+def _unusable(folder: str, rank: int, err: Exception) -> ValueError:
+    path = os.path.join(folder, storage.rng_file(rank))
+    return ValueError(f"RNG file {path!r} is unusable ({str(err).splitlines()[0][:200]}); load an earlier checkpoint.")
+
+
+def _load_rng(folder: str, rank: int, kinds: Sequence[rng_streams.GeneratorKind], pstate: ParallelState,
+              tp_rng: Any) -> list[str]:
+    """Restore the generators of ``kinds`` from saved rank ``rank``'s file (the others keep their --seed
+    state); returns every key the file holds."""
+    handle = _open_rng(folder, rank)
+    held = list(handle.keys())
+    keys = [key for key in held if any(kind.holds(key) for kind in kinds)]
+    try:
+        if "cpu" in keys:
+            torch.set_rng_state(handle.get_tensor("cpu"))
+        if pstate.device.type == "cuda" and "cuda" in keys:
             torch.cuda.set_rng_state(handle.get_tensor("cuda"), pstate.device)
         if tp_rng is not None:  # a DropoutRNG: every stream saved; unsaved ones were never drawn from
             prefix = "dropout/"
-            tp_rng.load_state_dict({k[len(prefix):]: handle.get_tensor(k) for k in handle.keys()
-                                    if k.startswith(prefix)})
+            tp_rng.load_state_dict({k[len(prefix):]: handle.get_tensor(k) for k in keys if k.startswith(prefix)})
     except Exception as err:  # noqa: BLE001 - a missing key or a state of the wrong size
-        path = os.path.join(folder, storage.rng_file(pstate.rank))
-        raise ValueError(f"RNG file {path!r} is unusable ({str(err).splitlines()[0][:200]}); "
-                         f"load an earlier checkpoint.") from None
+        raise _unusable(folder, rank, err) from None
+    return held

@@ -128,12 +128,13 @@ def _data(cfg: Config, rank: int, say: Callable,
 
 
 def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
-            optimizer: Any, rng: DropoutRNG) -> tuple[int, int]:
+            optimizer: Any, rng: DropoutRNG, say: Callable) -> tuple[int, int]:
     """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
     folder, meta = found
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-    if ckpt_load.same_streams(meta, plan) and ckpt_load.has_rng(meta):  # any ZeRO stage: generators too
-        ckpt_load.load_rng(folder, pstate, rng)
+    reseeded = ckpt_load.resume_rng(folder, meta, plan, pstate, rng)  # the generators the layout change kept
+    if reseeded:
+        say(reseeded)
     return int(meta["iteration"]), int(meta["consumed_samples"])
 
 
@@ -228,7 +229,7 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
         if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
-        start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng) if found else (0, 0)
+        start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
         loaded = found[0] if found else None
         trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
         if cfg.training.compile:  # graphs compile during the first step; say how long that took, once

@@ -117,6 +117,7 @@ def test_preprocess_and_dataset_use_the_tokenizers_eos(hf: SimpleNamespace) -> N
                         train_samples=8, eval_samples=4, seed=1, is_builder=True, tokenizer_type="hf",
                         data_cache_path=str(hf.tmp / "cache"), **QUIET)
     assert bundle.tokenizer.eos_id == tok.eos_id and len(bundle.train) == 8
+    assert os.listdir(hf.tmp / "cache") and not os.path.exists(hf.tmp / "data" / "index-cache")
     with pytest.raises(ValueError, match="--tokenizer-type hf needs --tokenizer-model"):
         build_data(data_path=None, tokenizer_model=None, tokenizer_type="hf", split="98,2,0", seq_length=16,
                    train_samples=8, eval_samples=0, seed=1, is_builder=True, **QUIET)
@@ -161,6 +162,24 @@ def test_pretrain_on_hf_tokenized_read_only_data(hf: SimpleNamespace, tmp_path) 
     assert any(name.startswith("corpus_") and name.endswith("_shuffle_idx.npy") for name in os.listdir(cache))
     losses = [r["loss"] for r in map(json.loads, open(metrics)) if "loss" in r]
     assert len(losses) == 3 and abs(losses[0] - math.log(VOCAB)) < 1.0  # near uniform over the tokenizer's vocab
+
+
+def test_caches_already_beside_read_only_data_are_read(hf: SimpleNamespace, tmp_path) -> None:
+    data = tmp_path / "ro_data"
+    shutil.copytree(os.path.dirname(hf.prefix), data)
+    build = (f"from megazero.data import GPTDataset, IndexedDataset; "
+             f"print(GPTDataset(IndexedDataset({str(data / 'corpus')!r}), 16, 40, 7)[39].tolist())")
+    run = [sys.executable, "-c", build]
+    first = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr[-2000:]
+    os.chmod(data / "index-cache", 0o555)
+    os.chmod(data, 0o555)
+    try:
+        again = subprocess.run(_unprivileged(run), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    finally:
+        os.chmod(data, 0o755)
+        os.chmod(data / "index-cache", 0o755)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
 
 
 def test_train_tokenizer_tool_byte_bpe(tmp_path, capsys: pytest.CaptureFixture) -> None:

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from megazero.data.gpt_dataset import GPTDataset
-from megazero.data.indexed import IndexedDataset
 from megazero.data.preprocess import preprocess_files
 from megazero.data.tokenizer import train_sentencepiece
 from tests.data.test_tokenizer_preprocess import make_docs

@@ -9,6 +9,7 @@ step's micro-batches for a tiny config (seq 128, micro 4, global 16).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -67,4 +68,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

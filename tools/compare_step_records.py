@@ -10,6 +10,7 @@ it is a prefix of. Exit 0 when every run of each side has its bit-identical part
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import json
@@ -54,10 +55,12 @@ def unmatched(left: list[Run], right: list[Run]) -> list[Run]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__)
-        return 2
-    before, after = load(argv[0]), load(argv[1])
+    parser = argparse.ArgumentParser(prog="compare_step_records.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("before", help="folder of step records written by the old code")
+    parser.add_argument("after", help="folder of step records written by the new code")
+    args = parser.parse_args(argv)
+    before, after = load(args.before), load(args.after)
     problems = 0
     for key in sorted(set(before) | set(after)):
         for side, a, b in (("before", before[key], after[key]), ("after", after[key], before[key])):

@@ -1,6 +1,7 @@
 """Does it fit? Per-rank memory of a model and layout, or a search over layouts.
 
     python tools/plan_memory.py --config configs/tiny.yaml --tp 2 --pp 2 --dp 4 --zero 1 --bf16
+    python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --gpu-memory 80
     python tools/plan_memory.py ... --json            # one JSON object (bytes)
     python tools/plan_memory.py ... --gpus 64 --gpu-memory 80 [--gpus-per-node 8]   # search
     python tools/plan_memory.py ... --offload-optimizer cpu|disk [--offload-params cpu|disk]   # host / disk bytes
@@ -16,6 +17,11 @@ layouts that do not fit otherwise). Offload costs are assumption-based (bandwidt
 ``megazero/memory/offload.py``). ``--offload-optimizer disk`` needs no real
 ``--offload-path`` here: the planner writes nothing. Arithmetic: ``megazero.memory``.
 
+It plans for a cluster from any machine and never asks this one's device. ``--recompute auto``
+(the presets' default) is planned for the budget ``--memory-budget-gb`` or ``--gpu-memory`` gives,
+as the run would choose; without either, every mode (none, selective, full) is listed. A line
+above the table says which (in ``--json``, each plan's ``recompute_auto``).
+
 The 7B and 70B tables in docs/memory_planner.md and docs/planner_7b.md are this tool's output,
 pasted between ``<!-- plan:NAME begin -->`` / ``<!-- plan:NAME end -->``
 markers by ``--write-docs``; tests/memory/test_docs_tables.py fails when they drift.
@@ -30,17 +36,23 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from megazero.arguments import parse_config  # noqa: E402
-from megazero.config import OFFLOAD_FLAGS, Placement  # noqa: E402
+from megazero.arguments import build_parser, parse_config  # noqa: E402
+from megazero.config import OFFLOAD_FLAGS, Config, Placement  # noqa: E402
 from megazero.config_fields import Bounds  # noqa: E402
-from megazero.memory import (PLANNED_PATH, Hardware, format_candidates, format_plan, format_rows,  # noqa: E402
-                             plan_for_run, planned_world, search_layouts, with_vocabulary)
+from megazero.memory import (PLANNED_PATH, Hardware, MemoryPlan, format_candidates, format_plan,  # noqa: E402
+                             format_rows, planned_world, search_layouts, with_vocabulary)
+from megazero.memory.recompute_choice import plan_for_cluster  # noqa: E402
+
+PROG = "plan_memory.py"
+SEARCH_GPU_MEMORY_GIB = 80.0  # the search's GPU when --gpu-memory is not given
 
 EXTRA = [
     ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x cp x pp x dp)."}),
     ("--json", {"action": "store_true", "help": "Print one JSON object (bytes) instead of the table."}),
     ("--gpus", {"type": int, "default": None, "help": "Search mode: GPUs available."}),
-    ("--gpu-memory", {"type": float, "default": 80.0, "help": "Search mode: memory per GPU in GiB."}),
+    ("--gpu-memory", {"type": float, "default": None,
+                      "help": f"Memory per GPU in GiB: the search's capacity (default {SEARCH_GPU_MEMORY_GIB:g}) and "
+                              "--recompute auto's budget (default: every recompute mode listed)."}),
     ("--gpus-per-node", {"type": int, "default": 8, "help": "Search mode: GPUs per node (bounds --tp)."}),
     ("--top", {"type": int, "default": 20, "help": "Search mode: layouts to list."}),
     ("--peak-tflops", {"type": float, "default": 989.0, "help": "Search mode: dense peak per GPU."}),
@@ -87,10 +99,33 @@ def _with_planned_path(argv: list[str]) -> list[str]:
     return argv + ["--offload-path", PLANNED_PATH] if disk and not has_path else argv
 
 
-def _plan(cfg, ns, **settings):
-    """The plan of ``cfg`` (with flat ``settings`` changed) on tp x cp x pp x --dp ranks."""
-    cfg = cfg.updated(**settings) if settings else cfg
-    return plan_for_run(cfg, planned_world(cfg, ns.dp))
+def _stage_configs(argv: list[str], ns) -> list[Config]:
+    """One config per --zero-stages entry, each parsed as if that stage were --zero (so a flag only that stage
+    takes, --no-reshard-after-forward at ZeRO 3, is checked against it); else the one config."""
+    stages = [["--zero", str(z)] for z in ns.zero_stages] if ns.zero_stages else [[]]
+    return [parse_config(argv + zero, prog=PROG, extra=EXTRA)[0] for zero in stages]
+
+
+def _plans(configs: list[Config], ns) -> list[tuple[MemoryPlan, str | None]]:
+    """Each plan on tp x cp x pp x --dp ranks (one per config and --offload-tiers entry; under --recompute auto
+    without a budget, one per mode), with the line saying how auto was planned."""
+    out = []
+    for cfg in configs:
+        for tier in ns.offload_tiers or [None]:
+            planned = cfg.updated(**_tier(tier, cfg)) if tier else cfg
+            plans, note = plan_for_cluster(planned, planned_world(cfg, ns.dp), ns.gpu_memory)
+            out += [(plan, note) for plan in plans]
+    return out
+
+
+def _show_plans(planned: list[tuple[MemoryPlan, str | None]], as_json: bool, rows: bool) -> str:
+    """The plans as JSON, one stage table, or one row each, after the --recompute auto lines (once each)."""
+    if as_json:
+        dicts = [{**p.to_dict(), **({"recompute_auto": note} if note else {})} for p, note in planned]
+        return json.dumps(dicts if rows or len(dicts) > 1 else dicts[0])
+    notes = list(dict.fromkeys(note for _, note in planned if note))
+    plans = [p for p, _ in planned]
+    return "\n".join(notes + [format_rows(plans) if rows or len(plans) > 1 else format_plan(plans[0])])
 
 
 def _tier(where: str, cfg) -> dict[str, object]:
@@ -101,16 +136,15 @@ def _tier(where: str, cfg) -> dict[str, object]:
 
 def report(argv: list[str]) -> tuple[int, str]:
     """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
-    cfg, ns = parse_config(_with_planned_path(list(argv)), prog="plan_memory.py", extra=EXTRA)
+    argv = _with_planned_path(list(argv))
+    ns = build_parser(PROG, EXTRA).parse_args(argv)
     _check_extra_bounds(ns)
-    if ns.gpus is None and ns.zero_stages:
-        tiers = ns.offload_tiers or [cfg.parallel.offload_optimizer]
-        plans = [_plan(cfg, ns, zero=z, **_tier(t, cfg)) for z in ns.zero_stages for t in tiers]
-        return 0, json.dumps([p.to_dict() for p in plans]) if ns.json else format_rows(plans)
+    configs = _stage_configs(argv, ns)
     if ns.gpus is None:
-        plan = _plan(cfg, ns)
-        return 0, json.dumps(plan.to_dict()) if ns.json else format_plan(plan)
-    hw = Hardware(gpus=ns.gpus, gpu_memory_gib=ns.gpu_memory, gpus_per_node=ns.gpus_per_node,
+        return 0, _show_plans(_plans(configs, ns), ns.json, rows=bool(ns.zero_stages))
+    cfg = configs[0]
+    gpu_memory = SEARCH_GPU_MEMORY_GIB if ns.gpu_memory is None else ns.gpu_memory
+    hw = Hardware(gpus=ns.gpus, gpu_memory_gib=gpu_memory, gpus_per_node=ns.gpus_per_node,
                   peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
                   intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
                   headroom=ns.headroom, host_memory_gib=ns.host_memory, disk_gib=ns.disk_space)
@@ -154,7 +188,7 @@ def _run_block(flags: list[str], with_f: bool, model: str = F_7B, var: str = "F"
     parts = [f'{var}="{model}"'] if with_f else []
     for i, f in enumerate(flags):
         _, text = report(shlex.split(model.replace("\\\n", " ")) + shlex.split(f))
-        parts += ([""] if i or with_f else []) + [f"python tools/plan_memory.py ${var} {f}", text]
+        parts += ([""] if i or with_f else []) + [f".venv/bin/python tools/plan_memory.py ${var} {f}", text]
     return "```\n" + "\n".join(parts) + "\n```"
 
 

@@ -11,6 +11,10 @@ estimate, so the run is tried rather than refused.
 The budget per rank: ``--memory-budget-gb`` when given; on CUDA the GPU's total memory; on the
 CPU this node's MemAvailable divided by the ranks on it (torchrun's LOCAL_WORLD_SIZE). A run
 agrees on the smallest budget over its ranks before choosing, so every rank picks the same mode.
+
+The planner (``plan_for_cluster``) plans for a cluster from any machine, so it never asks this
+machine's device: its budget is --memory-budget-gb or the GPU memory it was told, and without
+one it plans every mode and says so.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 from ..config import Config, ConfigError
 from ..run_plan import RunPlan
-from .plan import GIB, PlanSpec, plan_memory
+from .plan import GIB, MemoryPlan, PlanSpec, plan_memory, planned_device, with_vocabulary
 
 MARGIN = 0.10  # of the budget, left free
 MODES = ("none", "selective", "full")  # cheapest compute first
@@ -114,3 +118,34 @@ def _with_mode(cfg: Config, mode: str) -> Config:
     --recompute-num-layers only to full)."""
     layers = cfg.training.recompute_num_layers if mode == "full" else None
     return cfg.updated(recompute=mode, memory_budget_gb=None, recompute_num_layers=layers)
+
+
+def plan_for_cluster(cfg: Config, world_size: int,
+                     gpu_memory_gib: float | None = None) -> tuple[list[MemoryPlan], str | None]:
+    """The planner's plans of ``cfg`` on ``world_size`` ranks, and the line saying how --recompute auto was
+    planned (None for a concrete mode).
+
+    A laptop plans for a cluster, so this machine's device is never asked: auto's budget is
+    --memory-budget-gb, else ``gpu_memory_gib`` (the planner's --gpu-memory), and the one plan is of the mode
+    a run with that budget chooses. With neither, one plan per mode, cheapest compute first.
+    """
+    spec = PlanSpec.for_world(with_vocabulary(cfg), world_size, planned_device(cfg))
+    cfg = spec.cfg
+    if cfg.training.recompute != "auto":
+        return [plan_memory(spec)], None
+    budget = _planner_budget(cfg, gpu_memory_gib)
+    if budget is None:
+        plans = [plan_memory(PlanSpec.from_plan(_with_mode(cfg, m), spec.run, spec.device)) for m in MODES]
+        return plans, (f"--recompute auto: no memory budget given (--gpu-memory GB or --memory-budget-gb GB), so "
+                       f"every mode is planned; a run takes the first of {', '.join(MODES)} whose peak fits "
+                       f"{1 - MARGIN:.0%} of its budget (--memory-budget-gb, else its GPU's memory)")
+    choice = choose_recompute(cfg, spec.run, spec.device, budget[0] * GIB, budget[1])
+    chosen = PlanSpec.from_plan(_with_mode(cfg, choice.mode), spec.run, spec.device)
+    return [plan_memory(chosen)], choice.describe()
+
+
+def _planner_budget(cfg: Config, gpu_memory_gib: float | None) -> tuple[float, str] | None:
+    """(GiB per rank, the flag it came from) for the planner's --recompute auto, or None when it was given none."""
+    if cfg.training.memory_budget_gb is not None:
+        return cfg.training.memory_budget_gb, "--memory-budget-gb"
+    return None if gpu_memory_gib is None else (gpu_memory_gib, "--gpu-memory")

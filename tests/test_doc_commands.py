@@ -1,0 +1,258 @@
+"""Every command in README.md and docs/*.md runs as written, in a fresh shell, on a CPU-only machine.
+
+A command is a logical line (backslash continuations joined) of a ```bash block; in any other
+fenced block (a transcript) a line that starts with ``$ `` or a launcher; and inline code that runs
+a script (``.py``/``.sh``) or a make target. Each one is classified in ``COMMANDS``: ``RUN`` (run
+here in a fresh environment - no venv on PATH, no PYTHONPATH, as a new shell after ``make setup`` -
+and exit 0 asserted) or the reason it is not run here. A command the table does not know, or an
+entry no page holds any more, fails: a new doc command is a decision, not a silent filter. The
+planner's generated blocks (between ``<!-- plan:NAME -->`` markers) are run in-process by
+tests/memory/test_docs_tables.py, which compares their output too.
+
+Every command names the project's environment itself (``.venv/bin/python``, ``.venv/bin/torchrun``),
+so none needs an activated venv; the GPU check's own ``python3`` is the one stated exception. And
+``--help`` of every entry point - pretrain_gpt.py, everything in tools/, every script a doc command
+runs - exits 0 and prints usage (a ``%`` in a help text once made argparse raise instead).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
+RUN = "run"
+LAUNCHER = r"(?:\$ |\.venv/bin/|python3? |torchrun |make |bash |[A-Z_]+=\S* )"
+BARE = {"python", "python3", "torchrun", "pytest", "pip"}  # on PATH in a fresh shell: not the venv's
+
+_TRAINS = "trains a model (minutes on 2 cores); tests/test_pretrain.py launches pretrain_gpt.py at small sizes"
+_BENCH = "a benchmark: minutes, peers from `make bench`; its results are in bench/RESULTS*.md"
+_USER_DATA = "reads the user's own corpus; tests/data/test_tokenizer_preprocess.py runs these tools on test data"
+_MULTI_NODE = "needs several nodes (node0) or Slurm; tests/parallel/test_two_nodes.py runs two nodes on one machine"
+_GPU = "GPU only, by the machine's own python3 (docs/gpu.md says why); `make gpu-check` runs it where a GPU is"
+_GENERATE = "reads the checkpoint the training above saves; tests/tools/test_generate.py generates from one"
+_CKPT = "converts a checkpoint a training run wrote; tests/checkpoint/ converts both ways"
+
+COMMANDS: dict[str, str] = {
+    # README.md
+    "make train": _TRAINS,
+    "make test": "the whole suite, which this test is part of",
+    ".venv/bin/python -m pytest tests/checkpoint -q": "a part of the suite, which this test is part of",
+    ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2":
+        _TRAINS,
+    ".venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --train-iters 20": _TRAINS,
+    ".venv/bin/python pretrain_gpt.py --config configs/llama-7b.yaml --tp 8 --pp 2 --dp 4 --dry-run "
+    "--memory-budget-gb 80": RUN,
+    ".venv/bin/torchrun --nnodes 2 --nproc_per_node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 "
+    "--rdzv-id job42 pretrain_gpt.py --config configs/llama-7b.yaml --tp 8 --pp 2": _MULTI_NODE,
+    "mkdir -p runs/llama-1b && sbatch examples/slurm/pretrain_gpt.sbatch": _MULTI_NODE,
+    "bash examples/context_parallel/run_8_ranks.sh": _TRAINS + " (8 ranks, resumes at cp 4)",
+    ".venv/bin/python tools/convert_checkpoint.py --input runs/ckpt --output hf_model --to hf": _CKPT,
+    ".venv/bin/python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 "
+    "--pp 2": _CKPT,
+    "$ .venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2 "
+    "--train-iters 20 --log-timers --eval-interval 20": _TRAINS,
+    ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --zero 1": RUN,
+    ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --gpus 64 --gpu-memory 80 --top 5": RUN,
+    "make gpu-check": "GPU only: without a GPU it says so and exits 0; tests/cuda/ holds what it runs",
+    "make setup": "creates .venv, the environment this test runs in",
+    # docs/
+    "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --config configs/tiny.yaml "
+    "--tp 2 --pp 2 --train-iters 40 --save runs/tiny-gen": _TRAINS,
+    '.venv/bin/python tools/generate.py --load runs/tiny-gen --prompt "Return the" --max-new-tokens 32': _GENERATE,
+    '.venv/bin/python tools/generate.py --load runs/tiny-gen --prompt "Return the" --prompt "If" --temperature 0.8 '
+    "--top-k 50 --top-p 0.95 --seed 1 --print-ids": _GENERATE,
+    ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --cp 2 --pp 2 --zero 3 --seq-length 2048": _TRAINS,
+    ".venv/bin/python tools/train_tokenizer.py --input corpus.jsonl --model-prefix tok --vocab-size 32000":
+        _USER_DATA,
+    ".venv/bin/python tools/preprocess_data.py --input corpus.jsonl --output-prefix data/corpus "
+    "--tokenizer-model tok.model --workers 2": _USER_DATA,
+    ".venv/bin/torchrun --nproc_per_node 4 pretrain_gpt.py --data-path data/corpus --tokenizer-model tok.model "
+    "--tp 2": _USER_DATA,
+    ".venv/bin/torchrun --nproc_per_node 4 pretrain_gpt.py --data-path 0.7 data/a 0.3 data/b "
+    "--tokenizer-model tok.model": _USER_DATA,
+    **dict.fromkeys([
+        "mkdir -p /tmp/megazero-hf && .venv/bin/python -c \"import datasets; from megazero.data.corpus import "
+        "corpus_documents; ds = datasets.Dataset.from_dict({'text': corpus_documents(max_bytes=200_000)}); "
+        "ds.to_json('/tmp/megazero-hf/corpus.jsonl'); ds.to_parquet('/tmp/megazero-hf/corpus.parquet'); "
+        "ds.save_to_disk('/tmp/megazero-hf/saved')\"",
+        ".venv/bin/python tools/train_tokenizer.py --input /tmp/megazero-hf/corpus.jsonl --model-prefix "
+        "/tmp/megazero-hf/tok --vocab-size 2000 --model-type byte-bpe",
+        ".venv/bin/python tools/preprocess_data.py --input /tmp/megazero-hf/corpus.jsonl --output-prefix "
+        "/tmp/megazero-hf/jsonl/corpus --tokenizer-model /tmp/megazero-hf/tok",
+        ".venv/bin/python tools/preprocess_data.py --input '/tmp/megazero-hf/*.parquet' --output-prefix "
+        "/tmp/megazero-hf/parquet/corpus --tokenizer-model /tmp/megazero-hf/tok --workers 2",
+        ".venv/bin/python tools/preprocess_data.py --input /tmp/megazero-hf/saved --output-prefix "
+        "/tmp/megazero-hf/data/corpus --tokenizer-model /tmp/megazero-hf/tok",
+        "cmp /tmp/megazero-hf/jsonl/corpus.bin /tmp/megazero-hf/parquet/corpus.bin && cmp "
+        "/tmp/megazero-hf/jsonl/corpus.idx /tmp/megazero-hf/data/corpus.idx"],
+        "the HF tokenizer walk-through (a minute); tests/data/test_hf_tokenizer.py and "
+        "tests/data/test_preprocess_formats.py run its steps at test sizes"),
+    "chmod a-w /tmp/megazero-hf/data && .venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --train-iters 20 "
+    "--data-path /tmp/megazero-hf/data/corpus --tokenizer-model /tmp/megazero-hf/tok --data-cache-path "
+    "/tmp/megazero-hf/index-cache": _TRAINS,
+    "PYTHON=$PWD/.venv/bin/python srun --ntasks-per-node=1 tools/launch_slurm.sh --nproc-per-node 4 -- "
+    "--config configs/tiny.yaml --tp 2 --save D --load D": _MULTI_NODE,
+    "OFFLOAD=/path/on/a/fast/local/disk": "a placeholder for the reader's disk, used by the recipe below",
+    "OMP_NUM_THREADS=2 .venv/bin/python pretrain_gpt.py --config configs/llama-1.8b-offload.yaml "
+    "--offload-path $OFFLOAD --metrics-file runs/offload-1.8b/metrics.jsonl": _TRAINS + " (1.8B from disk)",
+    "sed '/offload/d;/eval_/d' configs/llama-1.8b-offload.yaml > base.yaml": "a step of the offload recipe",
+    "OMP_NUM_THREADS=2 /usr/bin/time -v .venv/bin/python pretrain_gpt.py --config base.yaml --train-iters 3 "
+    "--lr-warmup-iters 0 --num-layers L FLAGS": "a template: L and FLAGS are the reader's",
+    ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --tp 1 --pp 1 --dp 64 --zero 2 "
+    "--global-batch-size 1024 --micro-batch-size 1 --recompute full --reduce-every-micro-batch": RUN,
+    ".venv/bin/python tools/plan_memory.py --write-docs": "rewrites docs/; tests/memory/test_docs_tables.py checks "
+                                                          "the same output without writing",
+    ".venv/bin/python bench/bench_zero.py": _BENCH,
+    "OMP_NUM_THREADS=1 .venv/bin/python bench/run.py --repeats 5 --steps 8": _BENCH,
+    "make bench": _BENCH,
+    ".venv/bin/python bench/bench_zero3.py --repeats 5": _BENCH,
+    ".venv/bin/python bench/bench_offload.py": _BENCH,
+    ".venv/bin/python bench/bench_offload.py --model big": _BENCH,
+    ".venv/bin/python bench/bench_cpu_adam.py": _BENCH,
+    ".venv/bin/python bench/bench_pipeline.py": _BENCH,
+    ".venv/bin/python bench/bench_data.py": _BENCH,
+    "PYTHONPATH=. python3 bench/gpu_mfu.py": _GPU,
+    "PYTHONPATH=. python3 bench/gpu_mfu.py --ladder": _GPU,
+}
+OWN_PYTHON = {"PYTHONPATH=. python3 bench/gpu_mfu.py", "PYTHONPATH=. python3 bench/gpu_mfu.py --ladder"}
+
+
+def _logical_lines(body: str) -> list[str]:
+    """``body``'s lines with backslash continuations joined, comments and blank lines dropped."""
+    lines = []
+    for line in re.sub(r"\\\n\s*", " ", body).splitlines():
+        line = re.sub(r"\s+#.*$|^#.*$", "", line).strip()
+        if line:
+            lines.append(" ".join(line.split()))
+    return lines
+
+
+def _page_commands(text: str) -> list[str]:
+    """The commands of one page (see the module docstring), generated planner blocks left out."""
+    text = re.sub(r"<!-- plan:(\S+) begin -->.*?<!-- plan:\1 end -->", "", text, flags=re.DOTALL)
+    commands = []
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
+        lines = _logical_lines(body)
+        commands += lines if lang in ("bash", "sh") else [ln for ln in lines if re.match(LAUNCHER, ln)]
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    for span in re.findall(r"`([^`\n]+)`", prose):
+        if re.match(LAUNCHER, span) and (re.search(r"\S\.(py|sh)\b", span) or span.startswith("make ")):
+            commands.append(" ".join(span.split()))
+    return commands
+
+
+def doc_commands() -> dict[str, list[str]]:
+    """Command -> the pages that hold it."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+            for command in _page_commands(f.read()):
+                found.setdefault(command, []).append(page)
+    return found
+
+
+def programs(command: str) -> list[str]:
+    """The program each simple command of ``command`` starts (after a prompt, NAME=value words, time -v)."""
+    out = []
+    for part in re.split(r"&&|\|\||;|\|", command.removeprefix("$ ")):
+        words = part.split()
+        while words and re.match(r"[A-Za-z_]\w*=", words[0]):
+            words.pop(0)
+        words = words[2:] if words[:2] == ["/usr/bin/time", "-v"] else words
+        out += words[:1]
+    return out
+
+
+def fresh_env() -> dict[str, str]:
+    """A new login shell's environment: no venv on PATH (nor VIRTUAL_ENV), no PYTHONPATH (conftest sets one)."""
+    venv_bin = os.path.realpath(os.path.join(ROOT, ".venv", "bin"))
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep)
+            if p and os.path.realpath(p) != venv_bin and not os.path.exists(os.path.join(p, "activate"))]
+    keep = {k: os.environ[k] for k in ("HOME", "USER", "LANG", "LC_ALL", "TMPDIR") if k in os.environ}
+    return {**keep, "PATH": os.pathsep.join(path) or "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
+def run_in_fresh_shell(commands: list[str], tmp_path, limit_s: int = 120) -> list[tuple[int, str]]:
+    """(exit code, output) of each command, run one after another from the repository root by one bash
+    script; a command past ``limit_s`` is killed (exit 124: one that ignores --help and starts working)."""
+    script = [f"cd {shlex.quote(ROOT)}"]
+    for i, command in enumerate(commands):
+        out = shlex.quote(str(tmp_path / f"out{i}"))
+        script.append(f"timeout -k 5 {limit_s} bash -c {shlex.quote(command)} > {out} 2>&1 < /dev/null; "
+                      f"echo $? > {out}.rc")
+    subprocess.run(["bash", "-c", "\n".join(script)], env=fresh_env(), timeout=len(commands) * (limit_s + 10),
+                   check=True)
+    results = []
+    for i in range(len(commands)):
+        with open(tmp_path / f"out{i}", encoding="utf-8", errors="replace") as f, \
+                open(tmp_path / f"out{i}.rc", encoding="ascii") as rc:
+            results.append((int(rc.read()), f.read()))
+    return results
+
+
+def test_every_doc_command_is_classified() -> None:
+    found = doc_commands()
+    unknown = [f"{c!r} ({', '.join(pages)})" for c, pages in found.items() if c not in COMMANDS]
+    stale = [c for c in COMMANDS if c not in found]
+    assert not unknown, "doc commands not in COMMANDS; classify each (RUN, or why not):\n" + "\n".join(unknown)
+    assert not stale, f"COMMANDS entries no page holds any more; drop them: {stale}"
+
+
+def test_every_doc_command_names_the_venv() -> None:
+    """A bare python/torchrun in a fresh shell is the machine's (no torch): `No module named 'torch'`."""
+    bare = [f"{c!r} ({', '.join(pages)})" for c, pages in doc_commands().items()
+            if c not in OWN_PYTHON and BARE & set(programs(c))]
+    assert not bare, "commands that need an activated venv; write .venv/bin/python or .venv/bin/torchrun:\n" + \
+        "\n".join(bare)
+
+
+def test_cheap_doc_commands_run_as_pasted(tmp_path) -> None:
+    commands = [c for c in doc_commands() if COMMANDS.get(c) == RUN]
+    assert commands, "no doc command is run"
+    failed = [f"$ {c}\n(exit {rc})\n{out[-1500:]}" for c, (rc, out) in zip(commands, run_in_fresh_shell(
+        commands, tmp_path)) if rc != 0 or not out.strip()]
+    assert not failed, "doc commands that fail in a fresh shell:\n" + "\n".join(failed)
+
+
+def entry_points() -> list[str]:
+    """pretrain_gpt.py, every script in tools/, and every .py a doc command runs."""
+    tools = sorted(os.path.relpath(p, ROOT) for ext in ("py", "sh") for p in glob.glob(os.path.join(ROOT, "tools",
+                                                                                                     f"*.{ext}")))
+    named = {m for c in doc_commands() for m in re.findall(r"(?<![\w/.])([\w/.-]+\.py)\b", c)}
+    return ["pretrain_gpt.py"] + tools + sorted(named - set(tools) - {"pretrain_gpt.py"})
+
+
+def test_help_of_every_entry_point(tmp_path) -> None:
+    """Python scripts through tests/helpers/help_runner.py (one interpreter, a fork per script: torch is
+    imported once), shell scripts by bash; all from one fresh shell."""
+    scripts = entry_points()
+    assert {"tools/plan_memory.py", "tools/launch_slurm.sh", "bench/run.py"} <= set(scripts), scripts
+    python, shell = [s for s in scripts if s.endswith(".py")], [s for s in scripts if s.endswith(".sh")]
+    (tmp_path / "py").mkdir()
+    runner = f".venv/bin/python tests/helpers/help_runner.py {shlex.quote(str(tmp_path / 'py'))} " + " ".join(python)
+    ran = run_in_fresh_shell([runner] + [f"bash {s} --help" for s in shell], tmp_path)
+    assert ran[0][0] == 0, f"tests/helpers/help_runner.py failed:\n{ran[0][1][-1500:]}"
+    results = [((tmp_path / "py" / f"{i}.rc").read_text(), (tmp_path / "py" / str(i)).read_text(errors="replace"))
+               for i in range(len(python))] + ran[1:]
+    failed = [f"$ {s} --help\n(exit {rc})\n{out[-1500:]}" for s, (rc, out) in zip(python + shell, results)
+              if int(rc) != 0 or "usage:" not in out.lower()]
+    assert not failed, "--help that fails or prints no usage:\n" + "\n".join(failed)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("```bash\n.venv/bin/python a.py \\\n    --x 1   # note\n# only a comment\n```\n", [".venv/bin/python a.py --x 1"]),
+    ("```\n$ torchrun x.py\noutput line\n```\n", ["$ torchrun x.py"]),
+    ("run `python b.py --y` or `make test`; flags `--tp 2`, `torchrun --nnodes 2`\n", ["python b.py --y",
+                                                                                       "make test"]),
+    ("<!-- plan:x begin -->\n```\npython tools/plan_memory.py $F\n```\n<!-- plan:x end -->\n", []),
+])
+def test_extraction(text: str, want: list[str]) -> None:
+    """What counts as a command: the rules above, on small pages (a wrong rule would hide commands)."""
+    assert _page_commands(text) == want
+    assert [bool(BARE & set(programs(c))) for c in want] == [c.startswith(("$ torchrun", "python")) for c in want]

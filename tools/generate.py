@@ -17,7 +17,7 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,6 +25,8 @@ import torch  # noqa: E402
 
 from megazero.checkpoint.convert import read_full_state  # noqa: E402
 from megazero.config import Config  # noqa: E402
+from megazero.data import default_corpus  # noqa: E402
+from megazero.data.tokenizer import TokenizerLike, load_tokenizer  # noqa: E402
 from megazero.model.generation import Sampling, generate  # noqa: E402
 from megazero.model.gpt import GPTModel  # noqa: E402
 from megazero.model.transformer import TPContext  # noqa: E402
@@ -73,18 +75,18 @@ def load_model(folder: str) -> tuple[Config, GPTModel]:
     return cfg, model.eval()
 
 
-def run_tokenizer(cfg: Config, explicit: str | None) -> Any:
+def run_tokenizer(cfg: Config, explicit: str | None) -> TokenizerLike:
     """The tokenizer the run trained with: --tokenizer-model, the recorded one, or the default corpus's."""
-    from megazero.data.tokenizer import load_tokenizer
-
     path = explicit or cfg.data.tokenizer_model
     kind = None if explicit else cfg.data.tokenizer_type  # None: the kind the file shows
     if path is None and cfg.data.data_path is not None:
         raise ValueError("the checkpoint records --data-path but no tokenizer; pass --tokenizer-model")
-    if path is None:
-        from megazero.data import default_corpus
-
+    if path is None:  # trained on the default corpus, or converted from HF (another vocabulary)
         path = default_corpus(log=lambda message: print(message, file=sys.stderr)).tokenizer_model
+        corpus_vocab = load_tokenizer(path).vocab_size
+        if corpus_vocab != cfg.model.vocab_size:
+            raise ValueError(f"the checkpoint records no tokenizer and its vocabulary ({cfg.model.vocab_size}) is "
+                             f"not the default corpus tokenizer's ({corpus_vocab}); pass --tokenizer-model")
     tokenizer = load_tokenizer(path, kind)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"tokenizer {path!r} has {tokenizer.vocab_size} tokens, more than the model's vocabulary "
@@ -92,7 +94,7 @@ def run_tokenizer(cfg: Config, explicit: str | None) -> Any:
     return tokenizer
 
 
-def prompt_ids(tokenizer: Any, text: str, index: int, max_new_tokens: int, max_positions: int) -> list[int]:
+def prompt_ids(tokenizer: TokenizerLike, text: str, index: int, max_new_tokens: int, max_positions: int) -> list[int]:
     """``text``'s ids (an empty prompt conditions on end-of-document: where every training document starts)."""
     ids = tokenizer.encode(text) or [tokenizer.eos_id]
     if len(ids) + max_new_tokens > max_positions:

@@ -110,6 +110,34 @@ def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
     assert words in _one_line_failure(capsys, ["--load", str(tmp_path), "--prompt", "x", *flags])
 
 
+def test_the_recorded_tokenizer_or_one_line_asking_for_it(tmp_path, capsys):
+    """A checkpoint records its run's tokenizer; one that records none (as one converted from HF, with
+    another vocabulary than the default corpus's) asks for --tokenizer-model, which then serves."""
+    from megazero.checkpoint.convert import write_checkpoint
+    from megazero.config import Config, ModelConfig
+    from megazero.data.tokenizer import load_tokenizer, train_sentencepiece
+    from megazero.model.gpt import GPTModel
+    from megazero.model.transformer import TPContext
+    from megazero.tensor_parallel.layers import initialize_parameters
+
+    tok = train_sentencepiece([f"w{i} token{i % 37} text{i % 11}" for i in range(800)], str(tmp_path / "tok"), 280)
+    model_cfg = ModelConfig(arch="llama", num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                            vocab_size=300)
+    model = GPTModel(model_cfg, TPContext())
+    initialize_parameters(model, 3, None)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    recorded = write_checkpoint(str(tmp_path / "recorded"), Config(model=model_cfg).updated(
+        tokenizer_model=tok, data_path=[str(tmp_path / "data")]), state, tp=1, pp=1)
+    bare = write_checkpoint(str(tmp_path / "bare"), Config(model=model_cfg), state, tp=1, pp=1)
+    expected = load_tokenizer(tok).encode("w5 token5")
+    assert _generate(capsys, "--load", recorded, "--prompt", "w5 token5", "--max-new-tokens", "3")[0][
+        "prompt_ids"] == expected
+    line = _one_line_failure(capsys, ["--load", bare, "--prompt", "w5"])
+    assert "records no tokenizer" in line and "(300)" in line and "pass --tokenizer-model" in line
+    assert _generate(capsys, "--load", bare, "--tokenizer-model", tok, "--prompt", "w5 token5",
+                     "--max-new-tokens", "3")[0]["prompt_ids"] == expected
+
+
 def test_too_long_a_prompt_is_one_line(saved, capsys):
     line = _one_line_failure(capsys, ["--load", saved[0], "--prompt", PROMPT, "--max-new-tokens", "46"])
     assert "--max-new-tokens 46" in line and "more than the model's 48" in line

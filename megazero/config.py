@@ -265,6 +265,8 @@ class TrainingConfig:
 class LoggingConfig:
     log_interval: int = opt(10, "Print and record metrics every N iterations.", at_least=1)
     metrics_file: str | None = opt(None, "Append one JSON object per logged iteration to this file.")
+    tensorboard_dir: str | None = opt(None, "Also write every numeric field of each logged iteration and evaluation "
+                                            "to TensorBoard event files in this folder (from the metrics file's rank).")
     timeline: str | None = opt(None, "Write each rank's forward/backward spans as Chrome-trace JSON to this path "
                                "('{rank}' in it is replaced, else '.rank<N>' is added before the extension).")
 

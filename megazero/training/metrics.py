@@ -1,14 +1,13 @@
-"""What a run shows: one human line per logged iteration and one JSON object per line in a file."""
+"""What a run shows: one human line per logged iteration, and each record to the metrics file and TensorBoard."""
 from __future__ import annotations
 
-import json
-import math
-import os
 import resource
 import sys
 from typing import Any, TextIO
 
 import torch
+
+from .metric_sinks import open_sinks
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -18,43 +17,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def json_safe(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` as strict JSON allows: a NaN or infinite number becomes null, and ``<key>_nonfinite``
-    says which it was ("nan", "inf", "-inf"), so a skipped step's line still parses everywhere."""
-    safe: dict[str, Any] = {}
-    for key, value in record.items():
-        if isinstance(value, dict):
-            value = json_safe(value)
-        elif isinstance(value, float) and not math.isfinite(value):
-            safe[key], safe[f"{key}_nonfinite"] = None, str(value)
-            continue
-        safe[key] = value
-    return safe
-
-
 class MetricsLog:
-    """Appends JSON lines to ``path`` (when given) and prints human lines, on the logging rank only."""
+    """Hands each record to the run's sinks (metrics file, TensorBoard) and prints human lines, on the
+    logging rank only."""
 
-    def __init__(self, path: str | None, enabled: bool, stream: TextIO = sys.stdout) -> None:
+    def __init__(self, path: str | None, enabled: bool, stream: TextIO = sys.stdout, *,
+                 tensorboard_dir: str | None = None) -> None:
         self.enabled, self.stream = enabled, stream
-        self.file = None
-        if enabled and path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.file = open(path, "a")
+        self.sinks = open_sinks(path, tensorboard_dir) if enabled else []
 
     def record(self, record: dict[str, Any]) -> None:
-        if self.file is not None:
-            self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-            self.file.flush()
+        for sink in self.sinks:
+            sink.write(record)
 
     def print(self, line: str) -> None:
         if self.enabled:
             print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
 
 
 def format_iteration(r: dict[str, Any]) -> str:

@@ -25,6 +25,8 @@ def output_paths(cfg: Config) -> list[tuple[str, str]]:
         out.append(("--save", cfg.checkpoint.save))
     if lg.metrics_file:
         out.append(("--metrics-file", os.path.dirname(os.path.abspath(lg.metrics_file))))
+    if lg.tensorboard_dir:
+        out.append(("--tensorboard-dir", lg.tensorboard_dir))
     if lg.timeline:
         out.append(("--timeline", os.path.dirname(os.path.abspath(rank_path(lg.timeline, 0)))))
     if lg.wandb_project and lg.wandb_dir:

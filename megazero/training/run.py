@@ -279,7 +279,7 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     eval_batches = None
     if data.valid is not None and cfg.training.eval_interval:
         eval_batches = lambda: MicroBatchIterator.from_plan(data.valid, plan, pstate.dp_rank)  # noqa: E731
-    log = MetricsLog(cfg.logging.metrics_file, enabled=pstate.is_logging_rank)
+    log = MetricsLog(cfg.logging.metrics_file, pstate.is_logging_rank, tensorboard_dir=cfg.logging.tensorboard_dir)
     owned.callback(log.close)
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)

@@ -37,6 +37,7 @@ _MULTI_NODE = "needs several nodes (node0) or Slurm; tests/parallel/test_two_nod
 _GPU = "GPU only, by the machine's own python3 (docs/gpu.md says why); `make gpu-check` runs it where a GPU is"
 _GENERATE = "reads the checkpoint the training above saves; tests/tools/test_generate.py generates from one"
 _CKPT = "converts a checkpoint a training run wrote; tests/checkpoint/ converts both ways"
+_PLOT = "plots the metrics of `make train` (minutes); tests/training/test_tensorboard_plot.py plots two runs' metrics"
 
 COMMANDS: dict[str, str] = {
     # README.md
@@ -57,11 +58,14 @@ COMMANDS: dict[str, str] = {
     "--pp 2": _CKPT,
     "$ .venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2 "
     "--train-iters 20 --log-timers --eval-interval 20": _TRAINS,
+    ".venv/bin/python tools/plot_metrics.py runs/tiny/metrics.jsonl runs/tiny-lr3e-3/metrics.jsonl --output "
+    "docs/img/tiny_metrics.png": _PLOT,
     ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --zero 1": RUN,
     ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --gpus 64 --gpu-memory 80 --top 5": RUN,
     "make gpu-check": "GPU only: without a GPU it says so and exits 0; tests/cuda/ holds what it runs",
     "make setup": "creates .venv, the environment this test runs in",
     # docs/
+    ".venv/bin/python tools/plot_metrics.py runs/tiny/metrics.jsonl --output runs/tiny/metrics.png": _PLOT,
     "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --config configs/tiny.yaml "
     "--tp 2 --pp 2 --train-iters 40 --save runs/tiny-gen": _TRAINS,
     '.venv/bin/python tools/generate.py --load runs/tiny-gen --prompt "Return the" --max-new-tokens 32': _GENERATE,

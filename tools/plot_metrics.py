@@ -24,12 +24,12 @@ from matplotlib.figure import Figure  # a bare Figure draws with Agg: no pyplot 
 from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter
 
-PANELS = (  # (title, which records, field, y label)
-    ("training loss", "train", "loss", "lm loss"),
-    ("validation loss", "eval", "val_loss", "lm loss"),
-    ("learning rate", "train", "lr", "learning rate"),
-    ("grad norm", "train", "grad_norm", "global grad norm"),
-    ("throughput", "train", "tokens_per_sec", "tokens/s"),
+PANELS = (  # (title, which records, field, y label, y scale)
+    ("training loss", "train", "loss", "lm loss", "linear"),
+    ("validation loss", "eval", "val_loss", "lm loss", "linear"),
+    ("learning rate", "train", "lr", "learning rate", "linear"),
+    ("grad norm", "train", "grad_norm", "global grad norm", "log"),  # early spikes dwarf the rest otherwise
+    ("throughput", "train", "tokens_per_sec", "tokens/s", "linear"),
 )
 
 
@@ -91,8 +91,8 @@ def load_run(path: str, label: str) -> Run:
     return Run(label, train, evals, _tokens_per_step(train))
 
 
-def _draw_panel(ax: Any, panel: tuple[str, str, str, str], runs: list[Run], colors: list[str], x: str) -> None:
-    title, which, field, ylabel = panel
+def _draw_panel(ax: Any, panel: tuple[str, ...], runs: list[Run], colors: list[str], x: str) -> None:
+    title, which, field, ylabel, yscale = panel
     ax.set(title=title, xlabel=x, ylabel=ylabel)
     ax.xaxis.set_major_formatter(EngFormatter())  # 200k tokens, not 200000 crowding its neighbours
     ax.grid(alpha=0.3)
@@ -104,7 +104,9 @@ def _draw_panel(ax: Any, panel: tuple[str, str, str, str], runs: list[Run], colo
         scale = run.tokens_per_step if x == "tokens" else 1
         ax.plot([r["iteration"] * scale for r in records], ys, color=color, label=run.label,
                 marker="o" if which == "eval" else None, markersize=3, linewidth=1.2)
-    if not ax.lines:
+    if ax.lines:
+        ax.set_yscale(yscale)
+    else:
         ax.text(0.5, 0.5, f"no run logged {field}", ha="center", va="center", transform=ax.transAxes)
 
 

@@ -3,9 +3,10 @@ and a --load already at --train-iters says there is nothing to do.
 
 Real pretrain_gpt.py ranks on gloo: a 2-rank ZeRO 1 run whose async save of iteration 1 is still pending
 when it stops for --max-skipped-steps at iteration 2 (lr 1e8: the first update makes every later forward
-NaN; the stop comes in the very next step, before any poll could have published the save); a run that
-loads that checkpoint; a --load at --train-iters; a SIGTERM with --async-save. The messages of a save that
-publishes nothing are checked in-process on the serial test model.
+NaN; the stop comes in the very next step, before any poll could have published the save); the same run
+with a real write limit on rank 1 (the pending save fails); a run that loads the published checkpoint; a
+--load at --train-iters; a SIGTERM with --async-save. The messages of a save that publishes nothing are
+checked in-process on the serial test model.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import pytest
 from megazero.data.gpt_dataset import GPTDataset
 from megazero.data.preprocess import preprocess_files
 from megazero.data.tokenizer import train_sentencepiece
-from tests.data.test_tokenizer_preprocess import make_docs
 from tests.helpers.indexed_data import make_indexed
+from tests.helpers.text_docs import make_docs
 
 QUIET = dict(log=lambda *_: None)
 UNICODE = ["café\tnaïve 😀", "def f():\n    return 1", "Straße 中文"]

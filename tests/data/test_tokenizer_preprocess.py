@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 
@@ -14,19 +13,9 @@ import pytest
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.preprocess import preprocess_files
 from megazero.data.tokenizer import Tokenizer, train_sentencepiece
+from tests.helpers.text_docs import make_docs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
-
-
-def make_docs(n: int, seed: int = 0) -> list[str]:
-    """Deterministic ASCII documents (no leading/trailing spaces) from a small word list."""
-    rng = random.Random(seed)
-    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8))) for _ in range(300)]
-    docs = []
-    for _ in range(n):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
-        docs.append(text.capitalize() + rng.choice([".", "!", "?", ", 42."]))
-    return docs
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,15 @@ from ..run_plan import RunPlan, layout_record
 from ..tensor_parallel.layers import spec_of
 from . import hf_folder, storage
 from .hf import from_hf, hf_config, model_config_from_hf, to_hf
+from .hf_tokenizer_export import write_tokenizer
 from .load import ShardReader
 from .save import non_finite
 from .slices import relative, tp_region
 
 State = dict[str, torch.Tensor]
+# --dtype of tools/convert_checkpoint.py: HF weights in these dtypes.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def read_full_state(path: str, tp: int | None = None) -> tuple[Config, State]:
@@ -128,51 +132,47 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
     return storage.publish(root, staging, iteration, keep_last=None)
 
 
-def hf_tokenizer(sentencepiece_model: str) -> Any:
-    """A transformers fast tokenizer that encodes exactly as our sentencepiece BPE model does."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from tokenizers.models import BPE
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import SentencePieceExtractor
-
-    pieces = SentencePieceExtractor(sentencepiece_model).extract(BPE)
-    tok = Tokenizer(models.BPE(vocab=pieces["vocab"], merges=pieces["merges"], unk_token="<unk>",
-                               fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Replace(" ", "\u2581")  # trained without a dummy prefix, identity normaliser
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   pad_token="<pad>")
-
-
-def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str | None,
-            max_shard_bytes: int = 5 * 2**30) -> list[str]:
+def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer: str | None,
+            max_shard_bytes: int = 5 * 2**30, *, tokenizer_type: str | None = None,
+            dtype: torch.dtype | None = None) -> list[str]:
     """config.json, model.safetensors (or model-0000i-of-0000n shards + index) and the tokenizer.
 
+    The weights are written in ``dtype`` (None: the dtype ``state`` holds them in). ``tokenizer`` is
+    a sentencepiece model or an HF tokenizer.json (or a folder holding one) of ``tokenizer_type``.
     Written into a staging folder and committed as one unit (``hf_folder.commit``): an earlier
     export in the folder, in either layout, is replaced whole, and a crash midway leaves a folder
     that fails to load rather than one that loads the old weights. Returns the earlier export's
     files that were removed rather than replaced.
     """
+    hf_state = _cast(to_hf(state, cfg), dtype or stored_dtype(state))
     staging = hf_folder.new_staging(out_dir)
     try:
-        _write_hf(staging, cfg, state, tokenizer_model, max_shard_bytes)
+        ids = write_tokenizer(staging, tokenizer, tokenizer_type) if tokenizer else None
+        hf_config(cfg, ids, dtype or stored_dtype(state)).save_pretrained(staging)
+        _write_weights(staging, hf_state, max_shard_bytes)
         return hf_folder.commit(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _write_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str | None,
-              max_shard_bytes: int) -> None:
-    """Every file of the export into ``out_dir`` (an empty staging folder)."""
-    special_ids = None
-    if tokenizer_model:  # the special ids of the tokenizer that ships with the model
-        from ..data.tokenizer import Tokenizer
+def stored_dtype(state: State) -> torch.dtype:
+    """The dtype a checkpoint holds its weights in: a run's compute dtype, or an HF import's own."""
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
-        tok = Tokenizer.load(tokenizer_model)
-        special_ids = {"bos_token_id": _special_id(tok.bos_id), "eos_token_id": _special_id(tok.eos_id),
-                       "pad_token_id": _special_id(tok.pad_id)}
-    hf_config(cfg, special_ids).save_pretrained(out_dir)
-    hf_state = to_hf(state, cfg)
+
+def _cast(hf_state: State, dtype: torch.dtype) -> State:
+    """Every weight in ``dtype``; one that leaves its range (fp16 tops out at 65504) is refused."""
+    cast = {name: t.to(dtype) for name, t in hf_state.items()}
+    bad = non_finite(cast)
+    if bad:
+        raise ValueError(f"--dtype {DTYPE_NAMES[dtype]}: {', '.join(bad[:3])} hold values outside its range; "
+                         "export with --dtype bf16 or fp32.")
+    return cast
+
+
+def _write_weights(out_dir: str, hf_state: State, max_shard_bytes: int) -> None:
+    """model.safetensors, or shards of at most ``max_shard_bytes`` plus model.safetensors.index.json."""
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in hf_state.items():
@@ -184,23 +184,15 @@ def _write_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer_model: str
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-            weight_map.update({name: fname for name in shard})
-        total = sum(t.numel() * t.element_size() for t in hf_state.values())
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
-    if tokenizer_model:
-        hf_tokenizer(tokenizer_model).save_pretrained(out_dir)
-        shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
-
-
-def _special_id(token_id: int) -> int | None:
-    """sentencepiece says -1 for a special token it does not have; HF says None."""
-    return token_id if token_id >= 0 else None
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in hf_state.values())
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
 
 
 def load_hf(in_dir: str) -> tuple[ModelConfig, State]:

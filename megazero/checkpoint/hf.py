@@ -46,17 +46,24 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, dim=1).reshape(g * (per + 2) * d, *rest)
 
 
-def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None) -> Any:
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+
+
+def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
+              dtype: torch.dtype = torch.float32) -> Any:
     """The transformers config of the same model (dropouts and init std carried over, for fine-tuning).
 
     ``special_ids`` (bos/eos/pad_token_id) come from the tokenizer shipped with the model; without one
     they are None rather than transformers' GPT-2 defaults (50256), which may lie outside the vocabulary.
+    ``architectures`` and ``dtype`` (the weights' dtype) are written as ``save_pretrained`` of a model
+    writes them: ``AutoModelForCausalLM`` picks the class from the one, and loads in the other.
     """
     import transformers
 
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied_embeddings,
-                  initializer_range=cfg.init_method_std, **ids)
+                  initializer_range=cfg.init_method_std, architectures=[ARCHITECTURES[cfg.arch]],
+                  dtype=str(dtype).removeprefix("torch."), **ids)
     if cfg.arch == "gpt2":
         if cfg.query_groups != cfg.num_attention_heads:
             raise ValueError(f"--num-query-groups {cfg.query_groups} (grouped-query attention) cannot be expressed "
@@ -283,6 +290,7 @@ def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json")
         settings = dict(arch="llama", num_layers=config["num_hidden_layers"], hidden_size=hidden,
                         num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads"),
                         ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
+                        max_position_embeddings=config["max_position_embeddings"],
                         vocab_size=config["vocab_size"], norm_epsilon=config.get("rms_norm_eps", 1e-6),
                         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
                         **_rope_from_hf(config, problems))

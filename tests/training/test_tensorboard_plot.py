@@ -6,31 +6,23 @@ lengths and fields.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from megazero.training.metrics import MetricsLog
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import launch
+from tests.helpers.tool_module import load_tool
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 SMALL = ["--config", "configs/tiny.yaml", "--num-layers", "2", "--hidden-size", "64", "--seq-length", "32",
          "--log-interval", "1"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-def _plot_tool():
-    spec = importlib.util.spec_from_file_location("plot_metrics", os.path.join(ROOT, "tools", "plot_metrics.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +77,7 @@ def test_nested_and_non_finite_fields_reach_tensorboard(tmp_path):
 
 
 def test_plot_overlays_two_runs(runs, tmp_path, capsys):
-    tool = _plot_tool()
+    tool = load_tool("plot_metrics")
     out = tmp_path / "plots" / "ab.png"
     paths = [str(runs / name / "metrics.jsonl") for name in ("a", "b")]
     assert tool.main([*paths, "--output", str(out)]) == 0
@@ -112,7 +104,7 @@ def test_plot_overlays_two_runs(runs, tmp_path, capsys):
 
 def test_plot_survives_gaps_missing_fields_and_resumes(tmp_path):
     """A null loss is a gap, a field never logged leaves the panel empty, a re-logged iteration counts once."""
-    tool = _plot_tool()
+    tool = load_tool("plot_metrics")
     path = tmp_path / "resumed" / "metrics.jsonl"
     path.parent.mkdir()
     rows = [{"event": "memory", "rank": 0}, {"iteration": 1, "loss": 9.0, "lr": 1e-4},
@@ -131,7 +123,7 @@ def test_plot_survives_gaps_missing_fields_and_resumes(tmp_path):
 @pytest.mark.parametrize("content, words", [(None, "no such file"), ("", "is empty"),
                                             ("{not json\n", "line 1 is not JSON")])
 def test_plot_refuses_a_bad_file_in_one_line(tmp_path, capsys, content, words):
-    tool = _plot_tool()
+    tool = load_tool("plot_metrics")
     path = tmp_path / "metrics.jsonl"
     if content is not None:
         path.write_text(content)

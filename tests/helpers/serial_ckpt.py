@@ -44,7 +44,7 @@ def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     cfg, pstate, chunks, optimizer = build(arch, hidden)
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
-    cfg = dataclasses.replace(cfg, explicit=frozenset(cfg.to_flat()))  # as if every setting were a flag
+    cfg = dataclasses.replace(cfg, explicit=frozenset(ckpt_load.model_keys()))  # as if the model were given by flags
     ckpt_load.merge_config(meta, cfg)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)

@@ -73,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.to == "megazero" and args.dtype:
             raise ValueError("--dtype applies to --to hf; a run casts the weights it loads to its own "
                              "--bf16/--fp16 compute dtype, so drop it.")
+        if args.tokenizer_type and not args.tokenizer_model:
+            raise ValueError("--tokenizer-type is the kind of --tokenizer-model; pass both, or neither to ship "
+                             "the run's tokenizer.")
         if args.to == "hf":
             _to_hf(args)
         else:

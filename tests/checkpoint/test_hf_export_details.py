@@ -34,6 +34,9 @@ POSITIONS = {"gpt2": "n_positions", "llama": "max_position_embeddings"}
 # head's product and the logit itself), so they stay within 4u = 2^-6 (~1.6%, torch.testing's bf16 rtol)
 # of the largest logit; measured here: 0.3-0.6%.
 BF16_TOLERANCE = 2**-6
+# Files an HF tokenizer folder may hold beside tokenizer.json and tokenizer_config.json.
+COMPANIONS = {"special_tokens_map.json": '{"eos_token": "<|endoftext|>"}',
+              "chat_template.jinja": "{% for m in messages %}{{ m['content'] }}<|endoftext|>{% endfor %}"}
 
 
 def _convert(*args: str) -> int:
@@ -107,13 +110,16 @@ def test_dtype_flag_writes_bf16_weights_transformers_loads(tmp_path, arch):
     assert 0 < (logits - reference).abs().max() <= BF16_TOLERANCE * reference.abs().max()
 
 
-def test_default_dtype_is_the_one_a_bf16_run_stores(tmp_path):
-    ckpt, _ = _megazero_checkpoint(tmp_path, "llama", torch.bfloat16, bf16=True)
+def test_a_bf16_llama_run_exports_bf16_and_its_max_positions(tmp_path):
+    """The default dtype is the one a --bf16 run stores; llama's --max-position-embeddings, not --seq-length."""
+    ckpt, _ = _megazero_checkpoint(tmp_path, "llama", torch.bfloat16, bf16=True, max_position_embeddings=64)
     assert _convert("--input", ckpt, "--output", str(tmp_path / "hf"), "--to", "hf") == 0
-    assert _config_json(tmp_path / "hf")["dtype"] == "bfloat16" and _file_dtypes(tmp_path / "hf") == {torch.bfloat16}
+    config = _config_json(tmp_path / "hf")
+    assert (config["dtype"], config["max_position_embeddings"]) == ("bfloat16", 64)
+    assert _file_dtypes(tmp_path / "hf") == {torch.bfloat16}
 
 
-def test_fp16_out_of_range_and_dtype_to_megazero_are_refused(tmp_path, capsys):
+def test_fp16_out_of_range_and_ignored_flags_are_refused(tmp_path, capsys):
     cfg = Config(model=CONFIGS["gpt2"])
     state = _initialised(cfg)
     state["final_norm.weight"] = torch.full_like(state["final_norm.weight"], 1e5)  # fp16 tops out at 65504
@@ -125,6 +131,8 @@ def test_fp16_out_of_range_and_dtype_to_megazero_are_refused(tmp_path, capsys):
     assert _convert("--input", str(tmp_path / "hf"), "--output", str(tmp_path / "x"), "--to", "megazero",
                     "--dtype", "bf16") == 2
     assert "--dtype applies to --to hf" in capsys.readouterr().err
+    assert _convert("--input", ckpt, "--output", str(tmp_path / "hf"), "--to", "hf", "--tokenizer-type", "hf") == 2
+    assert "--tokenizer-type is the kind of --tokenizer-model" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +140,8 @@ def tokenizers(tmp_path_factory) -> dict[str, str]:
     """The run's tokenizer of each kind: a byte-level BPE folder and a sentencepiece .model (300 tokens)."""
     root = tmp_path_factory.mktemp("tokenizers")
     byte_level_tokenizer(str(root / "byte_bpe"), vocab_size=300)
+    for name, text in COMPANIONS.items():
+        (root / "byte_bpe" / name).write_text(text)
     words = [f"w{i} token{i % 37} text{i % 11}" for i in range(800)]  # the rest by byte fallback
     return {"hf": str(root / "byte_bpe"), "sentencepiece": train_sentencepiece(words, str(root / "sp"), 280)}
 
@@ -149,7 +159,7 @@ def test_exported_tokenizer_encodes_as_the_run_did(tmp_path, tokenizers, kind):
     assert [shipped.decode(ours.encode(t)) for t in HARD_STRINGS] == HARD_STRINGS
     assert shipped.eos_token_id == ours.eos_id == _config_json(tmp_path / "hf")["eos_token_id"]
     if kind == "hf":  # shipped as it is, not rebuilt
-        for name in ("tokenizer.json", "tokenizer_config.json"):
+        for name in ("tokenizer.json", "tokenizer_config.json", *COMPANIONS):
             with open(tmp_path / "hf" / name, "rb") as a, open(os.path.join(tokenizers[kind], name), "rb") as b:
                 assert a.read() == b.read(), name
 

@@ -17,7 +17,6 @@ within 1e-5 relative (fp32; the tolerance of tests/optimizer/test_zero_parity.py
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 from typing import Any
 
@@ -35,6 +34,7 @@ from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import failures
 from tests.helpers.reference import full_logits
 from tests.helpers.resume import ITERS, SAVED_AT, cfg_for, segment
+from tests.helpers.tool_module import load_tool
 
 
 # same-layout zero-3 resumes that must be bitwise: fp32, and bf16/fp16 (separate fp32 masters, loss scale)
@@ -147,10 +147,7 @@ def test_zero3_checkpoint_holds_the_trained_weights_and_converts_to_hf(runs, tmp
     want = runs["serial.saved"]["params"]
     assert state.keys() == want.keys()
     assert not failures({name: rel_err(state[name], want[name]) for name in want})
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", os.path.join(
-        os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py"))
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("convert_checkpoint")
     assert tool.main(["--input", folder, "--output", str(tmp_path / "hf"), "--to", "hf"]) == 0
     model = GPTModel(cfg.model, TPContext()).eval()
     model.load_state_dict(want)  # the serial run's own weights

@@ -7,23 +7,17 @@ when the committed text differs (a changed formula, a stale hand edit).
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import os
 
 import pytest
 
+from tests.helpers.tool_module import load_tool
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _tool():
-    spec = importlib.util.spec_from_file_location("plan_memory_tool", os.path.join(ROOT, "tools", "plan_memory.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_docs_tables_match_planner():
-    tool, stale = _tool(), []
+    tool, stale = load_tool("plan_memory"), []
     for rel, blocks in tool.doc_blocks().items():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
             committed = f.read()
@@ -36,7 +30,7 @@ def test_docs_tables_match_planner():
 
 def test_drift_is_detected():
     """A stale number inside a block is replaced; text outside the markers is kept; no markers is an error."""
-    tool = _tool()
+    tool = load_tool("plan_memory")
     text = "intro 14.6\n<!-- plan:x begin -->\n528 feasible\n<!-- plan:x end -->\ntail\n"
     assert tool.replace_blocks(text, {"x": "550 feasible"}, "T.md") == \
         "intro 14.6\n<!-- plan:x begin -->\n550 feasible\n<!-- plan:x end -->\ntail\n"

@@ -18,8 +18,6 @@ state offloaded, and with too little host memory only on disk.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import replace
 
 import pytest
@@ -34,6 +32,7 @@ from megazero.training.run import build_model_chunks, build_optimizer
 from tests.helpers.batches import SyntheticBatches
 from tests.helpers.dist import spawn
 from tests.helpers.step_meter import StepStateMeter
+from tests.helpers.tool_module import load_tool
 
 MODELS = {
     "gpt2": dict(arch="gpt2", num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1100),
@@ -146,10 +145,7 @@ def test_zero3_parameter_offload_and_errors():
     for bad in (dict(zero=2, offload_optimizer="cpu", offload_params="cpu"), dict(offload_params="disk")):
         with pytest.raises(ConfigError, match="--offload-params .* needs --zero 3"):
             plan_memory(spec.updated(**bad))
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    loader = importlib.util.spec_from_file_location("plan_memory_tool", os.path.join(root, "tools", "plan_memory.py"))
-    tool = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(tool)
+    tool = load_tool("plan_memory")
     flags = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--seq-length", "16", "--vocab-size", "1000", "--dp", "2", "--zero", "3", "--offload-optimizer", "disk",
              "--offload-params", "cpu"]

@@ -16,7 +16,7 @@ from megazero.arguments import parse_config
 from megazero.memory import GIB, plan_for_run, planned_world
 from megazero.memory import recompute_choice
 from megazero.memory.recompute_choice import MARGIN, MODES
-from tests.memory.test_docs_tables import _tool
+from tests.helpers.tool_module import load_tool
 
 TINY = ["--config", "configs/tiny.yaml", "--vocab-size", "8000", "--tp", "2", "--dp", "2"]  # recompute: auto
 
@@ -30,7 +30,7 @@ def tool(monkeypatch):
     monkeypatch.setattr(recompute_choice, "_mem_available", no_device)
     monkeypatch.setattr(recompute_choice.torch.cuda, "is_available", no_device)
     monkeypatch.setattr(recompute_choice.torch.cuda, "mem_get_info", no_device)
-    return _tool()
+    return load_tool("plan_memory")
 
 
 def _run_peaks() -> dict[str, float]:

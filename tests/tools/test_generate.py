@@ -7,7 +7,6 @@ The weights are drawn with a wide init (std 0.2) so the next-token margins are f
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from tests.helpers.launch import ROOT, launch
+from tests.helpers.tool_module import load_tool
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,13 +31,6 @@ SMALL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "48", "--mi
          "--log-interval", "1", "--tp", "2", "--pp", "2"]
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module", params=sorted(ARCH_FLAGS))
 def saved(request, tmp_path_factory) -> tuple[str, str]:
     """(checkpoint saved at tp 2 x pp 2, its HF export)."""
@@ -46,14 +39,14 @@ def saved(request, tmp_path_factory) -> tuple[str, str]:
     results = launch("pretrain_gpt.py", [*ARCH_FLAGS[request.param], *SMALL, "--save", ckpt], 4)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"rank {rank}:\n{r.stderr[-3000:]}"
-    assert _tool("convert_checkpoint").main(["--input", ckpt, "--output", hf, "--to", "hf"]) == 0
+    assert load_tool("convert_checkpoint").main(["--input", ckpt, "--output", hf, "--to", "hf"]) == 0
     return ckpt, hf
 
 
 def _generate(capsys, *args: str) -> list[dict]:
     """Run the tool in this process; the JSON lines of --print-ids, one per prompt."""
     capsys.readouterr()
-    assert _tool("generate").main([*args, "--print-ids"]) == 0
+    assert load_tool("generate").main([*args, "--print-ids"]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
 
@@ -98,7 +91,7 @@ def _one_line_failure(capsys, args: list[str]) -> str:
     """The tool in this process must exit 2 with one line on stderr, which is returned."""
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        _tool("generate").main(args)
+        load_tool("generate").main(args)
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
     return err.strip()

@@ -144,11 +144,12 @@ def save_hf(out_dir: str, cfg: ModelConfig, state: State, tokenizer: str | None,
     that fails to load rather than one that loads the old weights. Returns the earlier export's
     files that were removed rather than replaced.
     """
-    hf_state = _cast(to_hf(state, cfg), dtype or stored_dtype(state))
+    dtype = dtype or stored_dtype(state)
+    hf_state = _cast(to_hf(state, cfg), dtype)
     staging = hf_folder.new_staging(out_dir)
     try:
         ids = write_tokenizer(staging, tokenizer, tokenizer_type) if tokenizer else None
-        hf_config(cfg, ids, dtype or stored_dtype(state)).save_pretrained(staging)
+        hf_config(cfg, ids, dtype).save_pretrained(staging)
         _write_weights(staging, hf_state, max_shard_bytes)
         return hf_folder.commit(staging, out_dir)
     finally:

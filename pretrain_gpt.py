@@ -4,17 +4,22 @@ Parses flags (and the YAML preset they name), then hands the validated config
 to megazero.training. Bad input exits with status 2 and one line naming the
 flag and the fix, on every rank, before any collective; a file-system error
 (OSError) or a lost peer rank exits with status 1 and one line (set
-MEGAZERO_DEBUG=1 for the traceback).
+MEGAZERO_DEBUG=1 for the traceback). Under torchrun that line is printed once
+(``training/entry_errors.py``) and is the root cause torchrun's summary names.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from megazero.arguments import parse_config
 from megazero.parallel.state import world_size_from_env
+from megazero.training.entry_errors import report_error
 from megazero.training.run import run
 
 DRY_RUN_FLAGS = [
@@ -39,9 +44,28 @@ def _check_dry_run_flags(ns) -> None:
         raise ValueError(f"--dp must be >= 1, got {ns.dp}; pass the data-parallel size to plan for.")
 
 
+class UsageError(Exception):
+    """argparse's own one-line error (an unknown flag, a bad choice), already worded as printed."""
+
+
+def _parse(argv: list[str] | None):
+    """``parse_config``, with argparse's error line caught rather than printed by every rank."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            parsed = parse_config(argv, extra=DRY_RUN_FLAGS)
+    except SystemExit as stop:
+        if stop.code:
+            raise UsageError(captured.getvalue().strip()) from None
+        raise
+    sys.stderr.write(captured.getvalue())  # anything else parsing said
+    return parsed
+
+
+@record  # an unexpected exception's traceback goes to torchrun's error file
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg, ns = parse_config(argv, extra=DRY_RUN_FLAGS)
+        cfg, ns = _parse(argv)
         _check_dry_run_flags(ns)
         if ns.dry_run:  # the memory plan of this configuration; no process group, no model
             from megazero.memory import format_plan, plan_for_run, planned_world
@@ -50,24 +74,27 @@ def main(argv: list[str] | None = None) -> int:
             print(format_plan(plan_for_run(cfg, world)))
             return 0
         run(cfg)
+    except UsageError as err:
+        report_error(str(err))
+        return 2
     except ValueError as err:
         if os.environ.get("MEGAZERO_DEBUG"):
             raise
-        print(f"pretrain_gpt.py: error: {err}", file=sys.stderr, flush=True)
+        report_error(f"pretrain_gpt.py: error: {err}")
         return 2
     except OSError as err:  # disk full, permissions, a path under a file: the path and the OS reason
         if os.environ.get("MEGAZERO_DEBUG"):
             raise
         where = f"{err.filename}: " if err.filename else ""
-        print(f"pretrain_gpt.py: error: {where}{err.strerror or err} (errno {err.errno}); fix the path or free "
-              "space, or set MEGAZERO_DEBUG=1 for the traceback.", file=sys.stderr, flush=True)
+        report_error(f"pretrain_gpt.py: error: {where}{err.strerror or err} (errno {err.errno}); fix the path or "
+                     "free space, or set MEGAZERO_DEBUG=1 for the traceback.")
         return 1
     except RuntimeError as err:  # a peer died or hung past --distributed-timeout-minutes
         if os.environ.get("MEGAZERO_DEBUG") or not _lost_peer(err):
             raise
         first = (str(err).strip().splitlines() or [type(err).__name__])[0].split("] ", 1)[-1][:300]
-        print(f"pretrain_gpt.py: error: a collective failed, a peer rank died or was stuck longer than "
-              f"--distributed-timeout-minutes ({first}).", file=sys.stderr, flush=True)
+        report_error(f"pretrain_gpt.py: error: a collective failed, a peer rank died or was stuck longer than "
+                     f"--distributed-timeout-minutes ({first}).")
         sys.stdout.flush()
         os._exit(1)  # the group is broken: tearing it down, or a normal exit, can abort in gloo's threads
     finally:
@@ -77,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main()
+    exit_code = main() or 0  # record() turns --help's SystemExit(0) into None
     sys.stdout.flush()
     sys.stderr.flush()
     # Everything is written and the process group destroyed; skip the interpreter's teardown, where

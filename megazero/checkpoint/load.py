@@ -120,7 +120,9 @@ def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
     if "seq_length" not in cfg.explicit:
         merged["seq_length"] = saved["seq_length"]
     if saved["arch"] == "llama" and "max_position_embeddings" not in cfg.explicit:
-        merged["max_position_embeddings"] = run["max_position_embeddings"]  # no position table: not the model's
+        # no position table to fit, but the model's context length (an HF export's max_position_embeddings):
+        # kept, or raised to a longer --seq-length
+        merged["max_position_embeddings"] = max(_meaning(saved, "max_position_embeddings"), merged["seq_length"])
     for key in [k for k in model_keys() if k in cfg.explicit]:  # field order: a cause before what it implies
         if key == "max_position_embeddings" and saved["arch"] == "llama":
             continue

@@ -69,6 +69,15 @@ def _merge(saved: dict, given: dict):
     return merge_config(meta, cfg)[0]
 
 
+def test_merge_keeps_llama_context_length():
+    """A llama checkpoint resumed at a shorter --seq-length keeps its context length (HF export round trip)."""
+    llama = {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 256,
+             "max_position_embeddings": 256, "vocab_size": 300}
+    assert _merge(llama, {"seq_length": 128}).model.position_table_size == 256
+    assert _merge(llama, {"seq_length": 512}).model.position_table_size == 512
+    assert _merge({**llama, "max_position_embeddings": None}, {"seq_length": 128}).model.position_table_size == 256
+
+
 def test_merge_resolves_meaning_and_keeps_run_time_settings():
     gpt2 = {"arch": "gpt2", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 32,
             "vocab_size": 300, "hidden_dropout": 0.0}

@@ -37,9 +37,9 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see --help.\n")
 
 
-def build_parser(prog: str = "pretrain_gpt.py", extra: Sequence[tuple[str, dict]] = ()) -> argparse.ArgumentParser:
-    parser = OneLineParser(prog=prog, description="Pretrain a GPT-style model with TP x PP x DP.",
-                                     allow_abbrev=False)
+def build_parser(prog: str = "pretrain_gpt.py", extra: Sequence[tuple[str, dict]] = (),
+                 description: str = "Pretrain a GPT-style model with TP x CP x PP x DP.") -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog, description=description, allow_abbrev=False)
     parser.add_argument("--config", help="YAML preset; its keys are the flag names with underscores.")
     for name, kwargs in extra:
         parser.add_argument(name, **kwargs)

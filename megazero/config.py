@@ -192,7 +192,8 @@ class OptimizerConfig:
 class DataConfig:
     data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
                                       "None = the embedded default corpus.")
-    tokenizer_model: str | None = opt(None, "Sentencepiece model file; None = the default corpus's tokenizer.")
+    tokenizer_model: str | None = opt(None, "Tokenizer: a sentencepiece .model file, an HF tokenizer.json or a folder "
+                                      "holding one; None = the default corpus's tokenizer.")
     tokenizer_type: str | None = opt(None, "Tokenizer kind: sentencepiece (a .model file) or hf (a tokenizer.json, "
                                      "or a folder holding one); None = inferred from --tokenizer-model.",
                                      choices=("sentencepiece", "hf"))
@@ -261,6 +262,9 @@ class TrainingConfig:
                 f"({self.initial_loss_scale}).")
 
 
+_WITH_WANDB = Needs("--wandb-project P", ("wandb_project",), lambda project: project is not None)  # no run without it
+
+
 @dataclass(frozen=True, kw_only=True)
 class LoggingConfig:
     log_interval: int = opt(10, "Print and record metrics every N iterations.", at_least=1)
@@ -273,16 +277,18 @@ class LoggingConfig:
     log_timers: bool = opt(False, "Also log the seconds this rank was blocked in tp/pp/dp communication per "
                                   "step, and the pipeline bubble fraction.")
     wandb_project: str | None = opt(None, "Log to Weights & Biases under this project (rank 0 of the last stage).")
-    wandb_name: str | None = opt(None, "wandb run name.")
+    wandb_name: str | None = opt(None, "wandb run name.", applies=_WITH_WANDB)
     wandb_mode: str | None = opt(None, "wandb mode; None = online with an API key configured, else offline.",
+                                 applies=_WITH_WANDB,
                                  choices=("online", "offline", "disabled"))
-    wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.")
+    wandb_dir: str | None = opt(None, "Folder for wandb's files; None = ./wandb.", applies=_WITH_WANDB)
 
     def __post_init__(self) -> None:
         check_fields(self)
 
 
 _WITH_SAVE = Needs("--save DIR", ("save",), lambda save: save is not None)  # nothing is saved without it
+_WITH_LOAD = Needs("--load DIR", ("load",), lambda load: load is not None)  # nothing is loaded without it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -292,6 +298,17 @@ class CheckpointConfig:
                                 "at the end and on a signal.", at_least=0, applies=_WITH_SAVE)
     load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
                                  "tp/pp/dp/zero layout loads into any other of the same model.")
+    finetune: bool = opt(False, "Load only the model weights from --load (Megatron's flag): a new run from them, with "
+                         "a fresh optimizer and LR schedule, iteration 0, the data from its start and every generator "
+                         "from --seed; the checkpoint's model settings still apply.", applies=_WITH_LOAD)
+    load_optim: bool = opt(True, "--no-load-optim: keep the checkpoint's iteration and data position but start the "
+                           "optimizer fresh (fp32 master weights from the loaded weights, zero Adam moments, the "
+                           "initial loss scale); the LR schedule follows the iteration.", applies=_WITH_LOAD)
+    load_rng: bool = opt(True, "--no-load-rng: do not restore the checkpoint's random generators; they start from "
+                         "--seed as in a new run.", applies=_WITH_LOAD)
+    skip_train: bool = opt(False, "Evaluate the --load checkpoint on --eval-iters batches of the validation split "
+                           "(the batches a run evaluates), print and record the validation loss and perplexity at "
+                           "its iteration, and exit: no training, no saving.", applies=_WITH_LOAD)
     keep_last: int | None = opt(None, "Keep only the newest K checkpoints under --save; None keeps all.", at_least=1,
                                 applies=_WITH_SAVE)
     async_save: bool = opt(False, "Save in the background: the step only copies this rank's shard to host memory "

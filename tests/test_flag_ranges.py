@@ -84,6 +84,8 @@ IGNORED = [  # (flags, the one line's start): each was accepted and did nothing 
     (["--save-interval", "10"], "--save-interval 10 only applies with --save DIR (here no --save)"),
     (["--keep-last", "2", "--async-save"], "--keep-last 2 only applies with --save DIR"),
     (["--load", "ckpt", "--async-save"], "--async-save only applies with --save DIR"),
+    (["--wandb-mode", "offline"], "--wandb-mode offline only applies with --wandb-project P (here no --wandb-project)"),
+    (["--wandb-dir", "w"], "--wandb-dir w only applies with --wandb-project P"),
 ]
 
 
@@ -106,6 +108,7 @@ def test_out_of_range_flag_is_one_line_naming_it(flags, name):
     ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "10"],
     ["--lr-decay-style", "wsd", "--lr-wsd-decay-fraction", "0.3"],
     ["--sequence-parallel"],  # at tp 1 too: the presets set it for any --tp
+    ["--wandb-project", "p", "--wandb-name", "n", "--wandb-mode", "offline", "--wandb-dir", "w"],
 ])
 def test_flags_that_apply_are_accepted(flags):
     parse_config(flags)

@@ -137,7 +137,7 @@ def _tier(where: str, cfg) -> dict[str, object]:
 def report(argv: list[str]) -> tuple[int, str]:
     """(exit code, the text main() prints) for ``argv``; raises ValueError on bad input."""
     argv = _with_planned_path(list(argv))
-    ns = build_parser(PROG, EXTRA).parse_args(argv)
+    ns = build_parser(PROG, EXTRA, description=__doc__.splitlines()[0]).parse_args(argv)
     _check_extra_bounds(ns)
     configs = _stage_configs(argv, ns)
     if ns.gpus is None:

@@ -1,9 +1,14 @@
-"""Rules for the test tree that keep it readable as it grows.
+"""Rules that keep the package and its tests readable as they grow (docs/STYLE: "Recommended layout").
 
 - No file under tests/ imports a ``test_*`` module: importing one runs its module-level code and
   couples two test files; whatever both need lives in a helper module.
 - A helper module imported by more than one file under tests/ lives under tests/helpers/ (a module
   beside its one test file, split out to keep that file short, may stay there).
+- No import cycle among megazero's modules: a cycle makes import order matter and hides which module
+  owns what.
+- Imports in megazero/ point one way, up ``LAYERS``; nothing in the package imports the scripts on
+  top (tools/, bench/, pretrain_gpt.py) or the tests.
+- Modules are at most 400 lines and functions at most 60, in megazero/ and in the scripts on top.
 
 Imports are read with ``ast``, so imports inside functions and relative imports count too.
 """
@@ -41,11 +46,10 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
     return names
 
 
-def tree_imports() -> dict[str, set[str]]:
-    """Module name -> the names it imports, for every ``.py`` under tests/."""
+def tree_imports(folder: Path = TESTS) -> dict[str, set[str]]:
+    """Module name -> the names it imports, for every ``.py`` under ``folder`` (tests/ by default)."""
     return {module_name(p): imported_modules(p.read_text(), module_name(p), p.name == "__init__.py")
-            for p in sorted(TESTS.rglob("*.py"))}
-
+            for p in sorted(folder.rglob("*.py"))}
 
 
 def test_no_test_file_imports_another_test_file():
@@ -77,3 +81,130 @@ def test_the_import_reader_sees_every_form():
     assert {"tests.data.test_a", "tests.data.test_b", "tests.data.test_c", "tests.optimizer.test_d",
             "tests.optimizer.test_e", "tests.helpers.dist", "tests.cuda.test_f"} <= names, names
     assert "tests.helpers.dist" in imported_modules("from .dist import spawn\n", "tests.helpers", is_package=True)
+
+
+PACKAGE = ROOT / "megazero"
+
+# megazero's parts from the bottom up: a module imports modules of its own part or of a lower layer,
+# never of its layer's other parts or of a higher one (``data_parallel`` never imports ``optimizer``;
+# nothing but ``training`` imports ``training``). A part is a subpackage or a top-level module.
+LAYERS = (
+    {"config_fields"}, {"model_config"}, {"config"},
+    {"parallel"}, {"tensor_parallel", "context_parallel"}, {"run_plan"},
+    {"model"}, {"pipeline"}, {"data_parallel"}, {"optimizer"}, {"data"},
+    {"memory", "checkpoint"}, {"training"}, {"arguments"},
+)
+ON_TOP = ("tools", "bench", "pretrain_gpt", "tests")  # scripts and tests: they import the package, not the reverse
+
+
+def part_of(module: str) -> str:
+    """``megazero.data_parallel.engine`` -> ``data_parallel``; ``megazero.config`` -> ``config``."""
+    return module.split(".")[1]
+
+
+def layer_of(part: str) -> int:
+    return next(i for i, parts in enumerate(LAYERS) if part in parts)
+
+
+def package_graph() -> dict[str, set[str]]:
+    """megazero module -> the megazero modules it imports (a name inside a module counts as the module)."""
+    modules = tree_imports(PACKAGE)
+    return {m: {n for n in names if n in modules and n != m} for m, names in modules.items()}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph``: each strongly connected set of more than one node, sorted (iterative
+    Tarjan, so a deep import chain does not hit the recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = stack[stack.index(node):]
+                del stack[stack.index(node):]
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+    return cycles
+
+
+def test_no_import_cycle_in_the_package():
+    cycles = import_cycles(package_graph())
+    assert not cycles, "break these import cycles (move what both need below them):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": {"f"}, "g": set()}
+    assert sorted(import_cycles(graph)) == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_package_imports_point_up_the_layers():
+    bad = []
+    for module, names in tree_imports(PACKAGE).items():
+        if module == "megazero":
+            continue
+        part = part_of(module)
+        for name in sorted(names):
+            if name.split(".")[0] in ON_TOP:
+                bad.append(f"{module} imports {name}: nothing in megazero imports scripts or tests")
+            elif name.startswith("megazero.") and part_of(name) != part and layer_of(part_of(name)) >= layer_of(part):
+                bad.append(f"{module} imports {name}: {part_of(name)} is not below {part}")
+    assert not bad, "megazero's imports point one way, up LAYERS:\n" + "\n".join(bad)
+
+
+def test_every_part_of_the_package_has_a_layer():
+    parts = {p.stem if p.is_file() else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert parts == set().union(*LAYERS), "place each part of megazero in LAYERS (and drop gone ones)"
+
+
+def sources_with_limits() -> list[Path]:
+    """The files the size limits hold for: the package and the scripts on top of it."""
+    return [*sorted(PACKAGE.rglob("*.py")), ROOT / "pretrain_gpt.py", *sorted((ROOT / "tools").rglob("*.py")),
+            *sorted((ROOT / "bench").rglob("*.py"))]
+
+
+def long_parts(path: Path, max_module: int = 400, max_function: int = 60) -> list[str]:
+    """What in ``path`` is over the limits: the module (lines) and each function or method (``def`` to its
+    last line, docstring included)."""
+    source = path.read_text()
+    name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+    found = [f"{name}: {n} lines > {max_module}" for n in [len(source.splitlines())] if n > max_module]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > max_function:
+                found.append(f"{name}:{node.lineno} {node.name}: {length} lines > {max_function}")
+    return found
+
+
+def test_modules_and_functions_are_small():
+    too_long = [line for path in sources_with_limits() for line in long_parts(path)]
+    assert not too_long, "split these (modules <= 400 lines, functions <= 60):\n" + "\n".join(too_long)
+
+
+def test_the_size_check_measures_defs(tmp_path):
+    body = "\n".join(f"        x{i} = {i}" for i in range(60))
+    (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}\n")
+    found = long_parts(tmp_path / "m.py", max_module=5)
+    assert len(found) == 2 and "lines > 5" in found[0] and "long: 61 lines > 60" in found[1], found

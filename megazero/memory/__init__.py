@@ -8,14 +8,16 @@
 - ``offload``: device / host / disk bytes with ``--offload-optimizer``/``--offload-params``, and an
   assumption-based cost per step;
 - ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional);
-- ``recompute_choice``: ``--recompute auto``, the cheapest recompute whose planned peak fits the budget.
+- ``recompute_choice``: ``--recompute auto``, the cheapest recompute whose planned peak fits the budget, and
+  the plans of a run (``plan_for_run``) and of the planner (``plan_for_cluster``), which may choose it.
 """
 from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro_batches, layer_terms
 from .grads import GradBytes, bucket_numels, grad_bytes
 from .params import StateBytes, chunk_params, model_state_bytes, num_parameters
 from .offload import OffloadBytes, OffloadHardware, offload_bytes, offload_seconds
-from .plan import (GIB, PLANNED_PATH, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_for_run,
-                   plan_memory, planned_world, with_vocabulary)
+from .plan import (GIB, PLANNED_PATH, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_memory,
+                   planned_world, with_vocabulary)
+from .recompute_choice import plan_for_run
 from .search import Candidate, Hardware, format_candidates, search_layouts, step_time
 
 __all__ = ["ActivationSpec", "Candidate", "GIB", "GradBytes", "Hardware", "MemoryPlan", "OffloadBytes",

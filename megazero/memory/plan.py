@@ -14,7 +14,6 @@ leave the device: each stage also reports the host and disk bytes per rank.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -387,14 +386,3 @@ def planned_world(cfg: Config, dp: int) -> int:
     """Ranks of ``cfg``'s tp x cp x pp with ``dp`` data-parallel ranks: a world the planner only considers."""
     return cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * dp
 
-
-def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
-    """The plan of a training run on ``world_size`` ranks (the trainer's ``RunPlan.resolve``); with
-    --recompute auto, of the mode the run would choose (``recompute_choice.py``; --memory-budget-gb, or this
-    machine's memory)."""
-    from .recompute_choice import resolve_recompute  # it plans each mode with this module
-
-    spec = PlanSpec.for_world(with_vocabulary(cfg), world_size, planned_device(cfg))
-    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    cfg, choice = resolve_recompute(spec.cfg, spec.run, spec.device, ranks_on_node)
-    return plan_memory(PlanSpec.from_plan(cfg, spec.run, spec.device) if choice else spec)

@@ -18,6 +18,7 @@ one it plans every mode and says so.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,6 +119,15 @@ def _with_mode(cfg: Config, mode: str) -> Config:
     --recompute-num-layers only to full)."""
     layers = cfg.training.recompute_num_layers if mode == "full" else None
     return cfg.updated(recompute=mode, memory_budget_gb=None, recompute_num_layers=layers)
+
+
+def plan_for_run(cfg: Config, world_size: int) -> MemoryPlan:
+    """The plan of a training run on ``world_size`` ranks (the trainer's ``RunPlan.resolve``); with
+    --recompute auto, of the mode the run would choose (--memory-budget-gb, or this machine's memory)."""
+    spec = PlanSpec.for_world(with_vocabulary(cfg), world_size, planned_device(cfg))
+    ranks_on_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    cfg, choice = resolve_recompute(spec.cfg, spec.run, spec.device, ranks_on_node)
+    return plan_memory(PlanSpec.from_plan(cfg, spec.run, spec.device) if choice else spec)
 
 
 def plan_for_cluster(cfg: Config, world_size: int,

@@ -21,6 +21,7 @@ ranks may share, ``close``) leaves ``latest`` as it was, and the next save remov
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -47,6 +48,7 @@ class Snapshot:
     piece: dict[str, Any] | None = None  # the writer's vote, once it is done
     error: BaseException | None = None
     thread: threading.Thread | None = field(default=None, repr=False)
+    paused_s: float = 0.0  # training blocked while the snapshot was taken, for the line that reports the save
 
 
 class HostBuffers:
@@ -125,6 +127,7 @@ class AsyncCheckpointer:
         target = S.start_save(self.root, iteration, self.consumed(), self.optimizer, self.pstate)
         snap = take_snapshot(target, self.chunks, self.optimizer, self.pstate, self.tp_rng, self.buffers,
                              gathers=self.plan.zero.shards_parameters)
+        snap.paused_s = time.perf_counter() - target.started
         snap.thread = threading.Thread(target=write_snapshot, args=(snap,), daemon=True,
                                        name=f"megazero-async-save-{iteration}")
         self.pending = snap
@@ -147,7 +150,7 @@ class AsyncCheckpointer:
         snap.thread.join()
         pieces = C.all_gather_object(snap.piece, self.pstate.world_group)  # the barrier and the vote
         return S.conclude(snap.target, pieces, snap.error, cfg=self.cfg, plan=self.plan, pstate=self.pstate,
-                          keep_last=self.keep_last, loaded=self.loaded, log=self.log)
+                          keep_last=self.keep_last, loaded=self.loaded, log=self.log, paused_s=snap.paused_s)
 
     def close(self) -> None:
         """On an error exit that not every rank may share: let the writer end, publish nothing (a collective

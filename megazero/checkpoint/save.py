@@ -24,7 +24,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -143,6 +143,16 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
         raise OSError(num, os.strerror(num) if code else str(err), path) from None
 
 
+def folder_bytes(folder: str) -> int:
+    """Bytes of every file under ``folder`` (what a checkpoint costs on disk)."""
+    return sum(os.path.getsize(os.path.join(where, name)) for where, _, names in os.walk(folder) for name in names)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``12.3 MiB`` below a GiB, ``1.25 GiB`` from there."""
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def describe_latest(root: str) -> str:
     """What ``root/latest`` names now, read from disk (a message about ``latest`` states, never assumes, it)."""
     target = storage.latest_target(root)
@@ -228,6 +238,7 @@ class SaveTarget:
     consumed_samples: int
     stamp: str  # rank 0's clock in ms, broadcast: the staging folder's suffix and ``saved_at``
     scalars: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)  # for the line that reports the save
 
     @property
     def staging(self) -> str:
@@ -272,10 +283,12 @@ def failed_piece(err: BaseException, target: SaveTarget) -> dict[str, Any]:
 
 def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, *, cfg: Config, plan: RunPlan,
              pstate: ParallelState, keep_last: int | None, loaded: str | None,
-             log: Callable[[str], None]) -> str:
-    """After the vote (every rank's ``pieces``): refuse on every rank, or rank 0 publishes and rotates.
+             log: Callable[[str], None], paused_s: float | None = None) -> str:
+    """After the vote (every rank's ``pieces``): refuse on every rank, or rank 0 publishes, says so in one
+    line (path, size, seconds) and rotates.
 
     Every rank calls it at the same point; it ends with a broadcast, so nobody moves on before the publish.
+    ``paused_s``: an --async-save's seconds of blocked training (its snapshot), for that line.
     """
     root, staging, iteration = target.root, target.staging, target.iteration
     _refuse(pieces, target, pstate, own)
@@ -287,6 +300,7 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
             spare = _loaded(cfg, root, loaded)
             storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
             final = storage.publish(root, staging, iteration, keep_last=None)
+            log(_saved_line(final, time.perf_counter() - target.started, paused_s))
             removed = storage.rotate(root, keep_last, spare) if keep_last else []
             if removed:
                 log(f"megazero: --keep-last {keep_last}: removed {', '.join(removed)}")
@@ -297,6 +311,15 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
     if outcome is not None:
         _raise(outcome, own)
     return final
+
+
+def _saved_line(final: str, seconds: float, paused_s: float | None) -> str:
+    """What one published save reports: where, how large, how long (and, in the background, what it blocked)."""
+    size = format_bytes(folder_bytes(final))
+    if paused_s is None:
+        return f"megazero: saved checkpoint {final} ({size}) in {seconds:.2f} s"
+    return (f"megazero: --async-save published checkpoint {final} ({size}) {seconds:.2f} s after it started; "
+            f"training paused {paused_s:.2f} s for its snapshot")
 
 
 def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int, scalars: dict[str, Any],

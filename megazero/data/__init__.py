@@ -8,7 +8,7 @@ only the builder (global rank 0) writes caches, before each ``barrier()``.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -22,20 +22,36 @@ from .sampler import MicroBatchIterator, to_device
 from .tokenizer import Tokenizer, TokenizerLike, load_tokenizer
 
 __all__ = [
-    "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset",
-    "MicroBatchIterator", "Tokenizer", "TokenizerLike", "build_data", "check_vocabulary", "default_corpus",
+    "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset", "MicroBatchIterator",
+    "SplitShare", "Tokenizer", "TokenizerLike", "build_data", "check_vocabulary", "default_corpus",
     "load_tokenizer", "parse_data_path", "to_device",
 ]
 
 
+@dataclass(frozen=True)
+class SplitShare:
+    """What one split reads of one dataset: the numbers a run's start-up summary shows."""
+
+    prefix: str
+    split: str  # training, validation or test
+    weight: float  # the dataset's normalised blend weight (1.0 alone)
+    dataset_documents: int  # the whole dataset, every split
+    dataset_tokens: int
+    documents: int  # this split's
+    tokens: int
+    samples: int  # windows of seq_length + 1 tokens this run reads
+    epochs: int  # passes over this split's documents those samples take
+
+
 @dataclass
 class DataBundle:
-    """The tokenizer and the three splits (None when a split gets no data)."""
+    """The tokenizer and the three splits (None when a split gets no data), and what each dataset gives."""
 
     tokenizer: TokenizerLike
     train: torch.utils.data.Dataset  # items: int64 tensor [seq_length + 1]
     valid: torch.utils.data.Dataset | None
     test: torch.utils.data.Dataset | None
+    shares: list[SplitShare] = field(default_factory=list)
 
 
 def _open_sources(data_path: list[str]) -> list[tuple[float, IndexedDataset]]:
@@ -77,22 +93,30 @@ _SPLIT_NAMES = ("training", "validation", "test")
 _SPLIT_FLAGS = ("--train-iters x --global-batch-size", "--eval-iters x --global-batch-size", "--eval-iters")
 
 
-def _warn_repeats(indexed: IndexedDataset, docs: np.ndarray, split_index: int, seq_length: int,
-                  num_samples: int, log: Callable[[str], None]) -> None:
-    """Say so when a split is read more than once (a small corpus silently repeats otherwise)."""
+def _share(indexed: IndexedDataset, weight: float, docs: np.ndarray, split_index: int, seq_length: int,
+           num_samples: int) -> SplitShare:
+    """The numbers of one split of one dataset (the start-up summary prints them; a repeat is warned of)."""
     tokens = int(indexed.doc_lengths[docs].sum())
-    epochs = epochs_needed(tokens, seq_length, num_samples)
-    if epochs > 1:
-        log(f"warning: the {_SPLIT_NAMES[split_index]} split of {indexed.prefix} holds {tokens} tokens "
-            f"({max(1, tokens // seq_length)} samples of {seq_length + 1}); {num_samples} samples "
-            f"({_SPLIT_FLAGS[split_index]}) read it {epochs} epochs; add data or train for fewer samples")
+    return SplitShare(prefix=indexed.prefix, split=_SPLIT_NAMES[split_index], weight=weight,
+                      dataset_documents=len(indexed), dataset_tokens=int(indexed.doc_lengths.sum()),
+                      documents=len(docs), tokens=tokens, samples=num_samples,
+                      epochs=epochs_needed(tokens, seq_length, num_samples))
+
+
+def _warn_repeats(share: SplitShare, split_index: int, seq_length: int, log: Callable[[str], None]) -> None:
+    """Say so when a split is read more than once (a small corpus silently repeats otherwise)."""
+    if share.epochs > 1:
+        log(f"warning: the {share.split} split of {share.prefix} holds {share.tokens} tokens "
+            f"({max(1, share.tokens // seq_length)} samples of {seq_length + 1}); {share.samples} samples "
+            f"({_SPLIT_FLAGS[split_index]}) read it {share.epochs} epochs; add data or train for fewer samples")
 
 
 def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, split: str,
                  seq_length: int, num_samples: int, seed: int, is_builder: bool,
-                 barrier: Callable[[], None], log: Callable[[str], None],
-                 cache_dir: str | None) -> torch.utils.data.Dataset | None:
-    """One split (0 train, 1 valid, 2 test) over all sources, blended by weight."""
+                 barrier: Callable[[], None], log: Callable[[str], None], cache_dir: str | None,
+                 shares: list[SplitShare]) -> torch.utils.data.Dataset | None:
+    """One split (0 train, 1 valid, 2 test) over all sources, blended by weight; appends what each gives
+    to ``shares``."""
     if num_samples <= 0:
         return None
     parts = []
@@ -105,10 +129,11 @@ def _build_split(sources: list[tuple[float, IndexedDataset]], split_index: int, 
     weights = [w for w, _, _ in parts]
     counts = [num_samples] if len(parts) == 1 else blend_counts(weights, num_samples, seed)
     datasets = []
-    for (_, indexed, docs), count in zip(parts, counts):
+    for (weight, indexed, docs), count in zip(parts, counts):
         count = max(count, 1)
+        shares.append(_share(indexed, weight, docs, split_index, seq_length, count))
         if split_index < 2:  # the test split is not read by training
-            _warn_repeats(indexed, docs, split_index, seq_length, count, log)
+            _warn_repeats(shares[-1], split_index, seq_length, log)
         datasets.append(GPTDataset(indexed, seq_length, count, seed, docs, cache_dir=cache_dir,
                                    is_builder=is_builder, barrier=barrier))
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights, num_samples, seed)
@@ -148,8 +173,9 @@ def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, spli
     tokenizer = _tokenizer(tokenizer_model, tokenizer_type, default_model)
     sources = _open_sources(list(data_path))
     check_vocabulary(sources, vocab_size, tokenizer_model or default_model, tokenizer.vocab_size)
+    shares: list[SplitShare] = []
     build = dict(seq_length=seq_length, seed=seed, is_builder=is_builder, barrier=barrier, log=log,
-                 cache_dir=data_cache_path)
+                 cache_dir=data_cache_path, shares=shares)
     train = _build_split(sources, 0, split, num_samples=train_samples, **build)
     if train is None:
         raise ValueError(f"--split {split!r} leaves no training documents; give the first split a larger weight")
@@ -159,4 +185,4 @@ def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, spli
                          f"in {', '.join(ix.prefix for _, ix in sources)}; give the second --split weight a share "
                          "(e.g. 969,30,1), add documents, or set --eval-interval 0")
     test = _build_split(sources, 2, split, num_samples=eval_samples, **build)
-    return DataBundle(tokenizer=tokenizer, train=train, valid=valid, test=test)
+    return DataBundle(tokenizer=tokenizer, train=train, valid=valid, test=test, shares=shares)

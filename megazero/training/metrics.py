@@ -8,6 +8,7 @@ from typing import Any, TextIO
 import torch
 
 from .metric_sinks import open_sinks
+from .progress import clock_time
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -44,6 +45,7 @@ def format_iteration(r: dict[str, Any]) -> str:
     """Megatron-style line: `iteration 10/100 | consumed samples ... | lm loss ... | ...`."""
     parts = [
         f"iteration {r['iteration']:>6d}/{r['train_iters']:<6d}",
+        *([f"elapsed {clock_time(r['elapsed_s'])} | ETA {clock_time(r['eta_s'])}"] if "eta_s" in r else []),
         f"consumed samples {r['consumed_samples']:>8d}",
         f"elapsed time per iteration (ms) {r['step_time_ms']:.1f}",
         f"learning rate {r['lr']:.3E}",

@@ -41,6 +41,7 @@ from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .ownership import own_folders
 from .preflight import check_output_paths
+from .startup_report import LoadTimer, report_start, wandb_line
 from .trainer import Trainer
 from .wandb_log import WandbLogger
 
@@ -220,16 +221,22 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
     with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
         own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
         cfg, plan, data = _prepare(cfg, plan, pstate, say, found, taken)
+        report_start(cfg, plan, pstate, data, say)  # the resolved config (and config.yaml), data, offload
         rng = dropout_rng(cfg, pstate)  # the model draws from it; checkpoints save and restore it
         chunks = build_model_chunks(cfg, plan, pstate, rng)
+        load_timer = LoadTimer()
         if found:
             say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
-            ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
+            with load_timer:
+                ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
         optimizer = build_optimizer(cfg, plan, chunks, pstate)
         owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
         if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
-        start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
+        with load_timer:
+            start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
+        if found:
+            say(load_timer.line(found[0]))
         loaded = found[0] if found else None
         trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
         if cfg.training.compile:  # graphs compile during the first step; say how long that took, once
@@ -286,6 +293,7 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     wandb = _wandb(cfg, plan, pstate)
     if wandb is not None:
         owned.callback(wandb.finish)
+        log.print(wandb_line(wandb))
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
     return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
                    start_iteration=start, eval_batches=eval_batches,

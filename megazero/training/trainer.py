@@ -34,6 +34,7 @@ from ..pipeline.runner import Schedule
 from .evaluate import evaluate, reduce_loss
 from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
+from .progress import Progress, summary
 from .step_record import StepRecorder
 
 
@@ -116,6 +117,8 @@ class Trainer:
         self.eval_batches, self.save, self.wandb = eval_batches, save, wandb
         self.lr = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.iteration = start_iteration
+        self.start = (start_iteration, batches.consumed_samples)  # where this run began, for the summary
+        self.progress = Progress(start_iteration, cfg.training.train_iters)  # elapsed_s, eta_s
         self.skipped = self.nan_iterations = self.consecutive_skips = 0  # see _count
         t = cfg.training
         self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)  # what runs
@@ -182,6 +185,7 @@ class Trainer:
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
             "tflops_per_device": tflops, "mfu": self._mfu(tokens_per_step, elapsed),
             "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
+            **self.progress.fields(self.iteration),
         }
         if self.cfg.logging.log_timers:
             record["comm_wait_s"] = self.pstate.ledger.take_wait_seconds()
@@ -236,6 +240,8 @@ class Trainer:
                 self._save_hook("finish")  # the end of training or a signal's save: wait, vote, publish
             except AgreedStop as err:
                 raise self._stop_agreed(err) from err
+            for line in summary(records, self.cfg, self.start, self.progress.elapsed(), self._latest()):
+                self.log.print(line)  # before a signal's last line, which says what was saved
             if signalled:
                 latest = self._latest()
                 self.log.print(f"megazero: stopped by signal after iteration {self.iteration}; checkpoint saved"
@@ -275,4 +281,5 @@ class Trainer:
                 self.save(self.iteration)
             if signalled:
                 return True
+            self.progress.tick(self.iteration)
         return False

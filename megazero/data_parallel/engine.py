@@ -135,6 +135,12 @@ class GradSyncEngine:
             raise
         return buffers
 
+    @property
+    def inflight_partials(self) -> list[torch.Tensor]:
+        """The slices or partial shards the reductions in flight write into: gradient bytes alive until they
+        retire (what a measurement of a step's gradient memory counts)."""
+        return [entry[3] for entry in self._inflight if entry[3] is not None]
+
     def close(self) -> None:
         """Release what the buffers made (``--offload-params``: the parameter-shard stores)."""
         for buf in self.buffers:

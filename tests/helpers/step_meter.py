@@ -80,7 +80,7 @@ class StepStateMeter:
 
     def held_grads(self) -> dict[int, int]:
         bufs = self.opt.buffers
-        partials = [entry[3] for entry in self.opt.sync._inflight]
+        partials = self.opt.sync.inflight_partials
         return _storages([b.grad_data for b in bufs] + [b.grad_shard_data for b in bufs]
                          + [k.grad for b in bufs for k in b.buckets] + partials)
 

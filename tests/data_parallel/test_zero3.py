@@ -4,7 +4,7 @@ Five worlds (dp2, dp4, tp2 x dp2, pp2 x dp2, tp2 x pp2 x dp2 = 8 ranks) each run
 configurations; the parent compares every run with the serial run of the same global batch.
 
 Parity (fp32): losses and grad norms per iteration, the final weights and the loss of an
-evaluation pass after training within 1e-5 relative, as for ZeRO 0-2 (test_zero_parity.py):
+evaluation pass after training within 1e-5 relative, as for ZeRO 0-2 (tests/optimizer/test_zero_parity.py):
 only the order of fp32 summations differs (DP reduce-scatter, micro-batch accumulation into the
 grad shard), worth ~1e-7 per step; measured <= 1.5e-6 after 3 steps.
 
@@ -44,7 +44,7 @@ import torch
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import compare_runs, failures, make_cfg, tolerance
-from tests.optimizer.zero3_checks import (EVAL_BATCHES, PRECISION, STATE_PRECISIONS, TRAFFIC_RUNS, checked_run,
+from tests.data_parallel.zero3_checks import (EVAL_BATCHES, PRECISION, STATE_PRECISIONS, TRAFFIC_RUNS, checked_run,
                                            run_all)
 
 CLIP = 0.05  # well below the grad norms of this model (~1), so clipping is active every step

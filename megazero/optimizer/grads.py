@@ -19,11 +19,6 @@ from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import spec_of
 
 
-def grad_of(p: torch.Tensor) -> torch.Tensor | None:
-    """The gradient an optimizer reads: the fp32 main grad when there is one, else ``.grad``."""
-    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
-
-
 def counts_for_norm(p: torch.Tensor, pstate: ParallelState) -> bool:
     """Whether this rank's copy of ``p`` contributes to the global grad norm."""
     if spec_of(p).tied_role == "embedding_copy":

@@ -16,7 +16,6 @@ checkpoints save and load through.
 from __future__ import annotations
 
 import math
-import contextlib
 from contextlib import AbstractContextManager
 from typing import Any, Iterator
 
@@ -93,24 +92,6 @@ class DistributedOptimizer:
     def wait_param_gather(self) -> None:
         """Block until every updated parameter has arrived (before reading weights outside forward)."""
         self.sync.wait_param_gather()
-
-    @contextlib.contextmanager
-    def full_parameters(self) -> Iterator[None]:
-        """Every parameter of this rank's chunks readable inside (a collective over DP: call on every rank).
-
-        ZeRO 3 gathers every unit for the duration (the whole TP/PP-local model on this rank, as
-        FSDP's full state dict does) and frees them after; other stages wait for the last gather.
-        """
-        self.sync.wait_param_gather()
-        units = self.sync.units
-        if units is None:
-            yield
-            return
-        units.gather_all()
-        try:
-            yield
-        finally:
-            units.free_all()
 
     @torch.no_grad()
     def host_copies(self, keep: bool) -> dict[nn.Parameter, torch.Tensor]:

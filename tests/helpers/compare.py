@@ -1,9 +1,13 @@
 """Tensor comparison helpers for parity tests."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.distributed as dist
 
+from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import group_size
 from megazero.tensor_parallel.layers import spec_of
 
@@ -44,3 +48,22 @@ def precision_errors(run: dict, ref: dict) -> tuple[float, float]:
     diff = sum(float((w.double() - ref["params"][name].double()).pow(2).sum()) for name, w in run["params"].items())
     size = sum(float(ref["params"][name].double().pow(2).sum()) for name in run["params"])
     return scalars, (diff / size) ** 0.5
+
+
+@contextlib.contextmanager
+def full_parameters(optimizer: DistributedOptimizer) -> Iterator[None]:
+    """Every parameter of this rank's chunks readable inside (a collective over DP: call on every rank).
+
+    ZeRO 3 gathers every unit for the duration (the whole TP/PP-local model on this rank, as
+    FSDP's full state dict does) and frees them after; other stages wait for the last gather.
+    """
+    optimizer.wait_param_gather()
+    units = optimizer.sync.units
+    if units is None:
+        yield
+        return
+    units.gather_all()
+    try:
+        yield
+    finally:
+        units.free_all()

@@ -19,7 +19,7 @@ from megazero.training.metrics import MetricsLog
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
-from tests.helpers.compare import full_params, rel_err
+from tests.helpers.compare import full_parameters, full_params, rel_err
 
 VOCAB, ITERS = 1000, 3
 # The attention key bias has an exactly-zero gradient (softmax ignores a per-query shift), so
@@ -62,7 +62,7 @@ def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
-    with optimizer.full_parameters():  # ZeRO 3 gathers every unit
+    with full_parameters(optimizer):  # ZeRO 3 gathers every unit
         for chunk in chunks:
             params.update({k: v.float() for k, v in full_params(chunk, pstate.tp_group).items()})
     return {"records": records, "params": params, "pp_rank": pstate.pp_rank}

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from megazero.model.gpt import GPTModel
-from megazero.optimizer.grads import grad_of
 from megazero.parallel.collectives import all_reduce_coalesced
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.comm import gather_from_tensor_parallel_region
@@ -33,6 +32,11 @@ def param_groups(params: list[nn.Parameter], weight_decay: float) -> list[dict]:
     decay = [p for p in params if spec_of(p).weight_decay]
     no_decay = [p for p in params if not spec_of(p).weight_decay]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient a reference optimizer reads: the fp32 main grad when there is one, else ``.grad``."""
+    return getattr(p, "main_grad", None) if getattr(p, "main_grad", None) is not None else p.grad
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
-from tests.helpers.compare import full_params
+from tests.helpers.compare import full_parameters, full_params
 from tests.helpers.optimizer_harness import SyntheticBatches, make_cfg
 
 ITERS, SAVED_AT = 4, 2
@@ -69,7 +69,7 @@ def segment(pstate: ParallelState, cfg: Config, *, load: str | None = None, save
                       save=saver if save else None)
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
-    with optimizer.full_parameters():
+    with full_parameters(optimizer):
         for chunk in chunks:
             params.update(full_params(chunk, pstate.tp_group))
     return {"records": [r for r in records if "event" not in r], "evals": [r for r in records if "event" in r],

@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from ..parallel.collectives import Group
 from .split import CPSplit
 
-COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
-
 
 @dataclass(frozen=True)
 class CPContext:
@@ -40,4 +38,4 @@ class CPContext:
         return self.split.cp > 1
 
 
-__all__ = ["COMM_TYPES", "CPContext", "CPSplit"]
+__all__ = ["CPContext", "CPSplit"]

@@ -2,7 +2,7 @@
 
 Spans use ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, shared by all
 processes of one host), so the traces of one node's ranks line up when
-merged. On CUDA the host only enqueues kernels, so a host-timed span would
+opened together. On CUDA the host only enqueues kernels, so a host-timed span would
 measure the launch, not the work: there each span is a pair of CUDA events,
 placed on the host clock by an anchor event recorded right after a device
 synchronize at the start of the step (two synchronizes per step, only while
@@ -126,17 +126,6 @@ def rank_path(path: str, rank: int) -> str:
         return path.replace("{rank}", str(rank))
     stem, ext = os.path.splitext(path)
     return f"{stem}.rank{rank}{ext or '.json'}"
-
-
-def merge_traces(paths: list[str], out: str) -> str:
-    """One Chrome trace holding every rank's events (open it in chrome://tracing or Perfetto)."""
-    events: list[dict] = []
-    for p in paths:
-        with open(p) as fh:
-            events.extend(json.load(fh)["traceEvents"])
-    with open(out, "w") as fh:
-        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
-    return out
 
 
 def bubble_of_step(rank_spans: list[list[tuple[float, float]]]) -> tuple[float, float]:

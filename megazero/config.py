@@ -188,6 +188,10 @@ class OptimizerConfig:
         return self.lr_warmup_iters
 
 
+# a compiled block would be re-traced for every micro-batch's document layout
+_WITHOUT_COMPILE = Needs("no --compile", ("compile",), lambda compile: not compile)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     data_path: list[str] | None = opt(None, "Preprocessed prefix(es), optionally weighted: 'W1 P1 W2 P2'; "
@@ -200,6 +204,16 @@ class DataConfig:
     split: str = opt("969,30,1", "Train/valid/test proportions of the documents.")
     data_cache_path: str | None = opt(None, "Folder for the sample-index caches (Megatron's flag), for a read-only "
                                       "data folder; None = an index-cache folder beside each --data-path prefix.")
+    reset_position_ids: bool = opt(False, "Packed documents: positions restart at 0 after every end-of-document "
+                                   "(EOD) token of a sample (learned table and RoPE; docs/data.md).",
+                                   applies=_WITHOUT_COMPILE)
+    reset_attention_mask: bool = opt(False, "Packed documents: a token attends only to earlier tokens of its own "
+                                     "document (block-diagonal causal attention; docs/data.md).",
+                                     applies=_WITHOUT_COMPILE)
+    eod_mask_loss: bool = opt(False, "No loss where the input token is the EOD (its prediction of the next "
+                              "document's first token); the loss is the mean over the kept tokens of the global "
+                              "batch.", applies=Needs("--cross-entropy-chunk-size 0", ("cross_entropy_chunk_size",),
+                                                      lambda chunk: chunk == 0))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -9,7 +9,8 @@ over the whole sequence, in the same order:
     a2a+p2p  all-to-all inside the group of U (each rank then holds its ring position's two
              chunks whole, for n/U heads), the ring over the R ring positions, all-to-all back
 
-No attention dropout: the config refuses it with cp > 1.
+No attention dropout: the config refuses it with cp > 1. ``bounds`` (packed documents,
+``doc_blocks``): every form keeps attention inside each document; a2a runs one SDPA per document.
 """
 from __future__ import annotations
 
@@ -19,21 +20,28 @@ import torch
 import torch.nn.functional as F
 
 from . import CPContext
+from .doc_blocks import Bounds, document_attention
 from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 
-def cp_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, cp: CPContext) -> torch.Tensor:
+def cp_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, cp: CPContext,
+                 bounds: Bounds | None = None) -> torch.Tensor:
     """Causal attention of this CP rank's queries over every CP rank's keys (see the module docstring)."""
+    if not cp.active and bounds is not None:
+        return document_attention(q_bnsd, k_bgsd, v_bgsd, bounds)
     if not cp.active:
         return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, is_causal=True,
                                               enable_gqa=q_bnsd.shape[1] != k_bgsd.shape[1])
     if cp.comm_type == "p2p":
-        return ring_attention(q_bnsd, k_bgsd, v_bgsd, cp.ring_group if cp.ring_group is not None else cp.group)
+        return ring_attention(q_bnsd, k_bgsd, v_bgsd, cp.ring_group if cp.ring_group is not None else cp.group,
+                              bounds=bounds)
     if cp.comm_type == "a2a":
-        return ulysses_attention(q_bnsd, k_bgsd, v_bgsd, cp.a2a_group if cp.a2a_group is not None else cp.group)
+        inner = None if bounds is None else functools.partial(document_attention, bounds=bounds)
+        return ulysses_attention(q_bnsd, k_bgsd, v_bgsd, cp.a2a_group if cp.a2a_group is not None else cp.group,
+                                 inner=inner)
     if cp.comm_type == "a2a+p2p":
         assert cp.a2a_group is not None and cp.ring_group is not None, "a2a+p2p needs both CP subgroups"
         return ulysses_attention(q_bnsd, k_bgsd, v_bgsd, cp.a2a_group, pieces=2,
-                                 inner=functools.partial(ring_attention, group=cp.ring_group))
+                                 inner=functools.partial(ring_attention, group=cp.ring_group, bounds=bounds))
     raise ValueError(f"--cp-comm-type must be one of p2p, a2a, a2a+p2p; got {cp.comm_type!r}")

@@ -20,6 +20,7 @@ from ..tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
 from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear,
                                       set_spec, spec_of)
 from ..tensor_parallel.random import EMBEDDING
+from .documents import Documents
 from .kv_cache import KVCache
 from .transformer import TPContext, TransformerBlock, hidden_dropout, make_norm
 
@@ -37,10 +38,14 @@ class Embedding(nn.Module):
             self.position = nn.Embedding(cfg.position_table_size, cfg.hidden_size)
             set_spec(self.position.weight, init_std=cfg.init_method_std)
 
-    def forward(self, ids_bs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """``cache`` (decoding only): the tokens follow the cached ones, so their positions start after them."""
+    def forward(self, ids_bs: torch.Tensor, cache: KVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """``cache`` (decoding only): the tokens follow the cached ones, so their positions start after them.
+        ``documents`` with positions (this rank's cut): each sample's positions restart at every document."""
         x = self.word(ids_bs)
-        if self.position is not None and cache is not None:
+        if self.position is not None and documents is not None and documents.positions is not None:
+            x = x + self.position.weight[documents.positions].transpose(0, 1)  # [b, s, h] -> [s, b, h]
+        elif self.position is not None and cache is not None:
             x = x + self.position.weight[cache.positions(ids_bs.shape[1], ids_bs.device)].unsqueeze(1)
         elif self.position is not None and self.ctx.cp.active:  # this rank's tokens sit at scattered positions
             x = x + self.position.weight[self.ctx.positions(ids_bs.shape[1], ids_bs.device)].unsqueeze(1)
@@ -90,7 +95,8 @@ class GPTModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embedding.word.weight if self.cfg.tied_embeddings else self.output.weight
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         """inputs: token ids [b, s] on the first stage, else hidden states [s/cp, b, h].
 
         Returns hidden states on non-last stages, the mean token loss when ``labels`` [b, s]
@@ -98,18 +104,26 @@ class GPTModel(nn.Module):
         and labels are whole samples; under context parallelism each rank keeps its own tokens here
         (the loss is then the mean over this rank's tokens: equal counts, so the mean over the CP
         group is the sample mean).
+
+        ``documents`` (``model.documents``, the micro-batch's packed documents, whole samples): positions
+        restart and attention stays in each document where they say so; with a loss mask the loss is
+        ``loss_scale`` times the sum of the unmasked token losses.
         """
         cp = self.ctx.cp
         if cp.active and self.pre_process:
             inputs = cp.split.take(inputs, 1, cp.rank)
         if cp.active and labels is not None:
             labels = cp.split.take(labels, 1, cp.rank)
-        x = self.embedding(inputs) if self.pre_process else inputs
+        if cp.active and documents is not None:
+            documents = documents.local(cp.split, cp.rank)
+        x = self.embedding(inputs, documents=documents) if self.pre_process else inputs
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x) if documents is None else layer(x, documents=documents)
         if not self.post_process:
             return x
         x = self.final_norm(x)
+        if labels is not None and documents is not None and documents.loss_mask is not None:
+            return self._masked_loss(x, labels, documents)
         if labels is not None and self.ce_chunk_size > 0:
             return fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
                                               vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
@@ -118,6 +132,12 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
+
+    def _masked_loss(self, x: torch.Tensor, labels: torch.Tensor, documents: Documents) -> torch.Tensor:
+        """``loss_scale`` x the sum of the token losses the mask keeps (the fused head would only give a mean)."""
+        assert self.ce_chunk_size == 0, "--eod-mask-loss with --cross-entropy-chunk-size is refused by the config"
+        losses_sb = vocab_parallel_cross_entropy(self.logits_local(x), labels.t(), self.ctx.group, self.cfg.vocab_size)
+        return (losses_sb * documents.loss_mask.t().to(losses_sb.dtype)).sum() * documents.loss_scale
 
     @torch.no_grad()
     def decode(self, ids_bs: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -22,6 +22,7 @@ micro-batches of the same layer have drawn from them since). Without streams
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import Any, Callable
 
@@ -61,9 +62,11 @@ def block_body(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return compiled if compiled is not None else types.MethodType(type(block).forward, block)
 
 
-def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """Forward of a ``TransformerBlock`` that keeps only ``x`` for backward."""
+def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor, documents: Any = None) -> torch.Tensor:
+    """Forward of a ``TransformerBlock`` that keeps only ``x`` (and the micro-batch's ``documents``) for backward."""
     body = block_body(block)
+    if documents is not None:  # the recompute sees the same documents as the forward
+        body = functools.partial(body, documents=documents)
     if not torch.is_grad_enabled():
         return body(x)
     streams = block.ctx.dropout_streams(block.layer_id)
@@ -71,13 +74,13 @@ def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor) -> torch.Tens
 
 
 def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
-                                 v: torch.Tensor) -> torch.Tensor:
-    """``Attention.core_attention`` re-run in backward; keeps only q, k, v."""
+                                 v: torch.Tensor, bounds: Any = None) -> torch.Tensor:
+    """``Attention.core_attention`` re-run in backward; keeps only q, k, v (and the documents' bounds)."""
     plain = type(attention).core_attention
     if not torch.is_grad_enabled():
-        return plain(attention, q, k, v)
+        return plain(attention, q, k, v, bounds)
     streams = attention.ctx.dropout_streams(attention.layer_id)
-    return checkpoint_with_rng(lambda *t: plain(attention, *t), attention.ctx.rng, streams, q, k, v)
+    return checkpoint_with_rng(lambda *t: plain(attention, *t, bounds), attention.ctx.rng, streams, q, k, v)
 
 
 def _reset(block: nn.Module) -> None:

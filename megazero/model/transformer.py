@@ -23,9 +23,11 @@ from torch import nn
 from ..config import ModelConfig
 from ..context_parallel import CPContext
 from ..context_parallel.attention import cp_attention
+from ..context_parallel.doc_blocks import Bounds, document_attention
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
+from .documents import Documents
 from .kv_cache import KVCache, cached_attention
 
 
@@ -38,8 +40,12 @@ class TPContext:
     rng: DropoutRNG | None = None  # None: dropout draws from the default generator
     cp: CPContext = CPContext()  # the sequence split over ranks; inactive at cp 1
 
-    def positions(self, local_tokens: int, device: torch.device | str) -> torch.Tensor:
-        """Global positions of this rank's ``local_tokens`` tokens of a sample (all of them at cp 1)."""
+    def positions(self, local_tokens: int, device: torch.device | str,
+                  documents: Documents | None = None) -> torch.Tensor:
+        """Positions of this rank's ``local_tokens`` tokens of a sample (all of them at cp 1): global [s], or
+        per sample [b, s] when ``documents`` restart them (already cut to this rank by ``Documents.local``)."""
+        if documents is not None and documents.positions is not None:
+            return documents.positions
         split = self.cp.split
         return split.positions(local_tokens * split.cp, self.cp.rank).to(device)
 
@@ -104,8 +110,13 @@ def rotary_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tenso
 
 
 def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [s, d] for rotate-half RoPE (the layout HF Llama uses) at global ``positions`` [s]."""
+    """cos/sin tables for rotate-half RoPE (the layout HF Llama uses) at ``positions``: [s, d] for global
+    positions [s]; [b, 1, s, d] (broadcast over heads) for per-sample positions [b, s]."""
     inv_freq = rotary_inv_freq(cfg, positions.device)
+    if positions.dim() == 2:
+        angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos(), angles.sin()
     angles = torch.outer(positions.to(torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -130,31 +141,38 @@ class Attention(nn.Module):
                                       bias=bias, sequence_parallel=ctx.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
 
-    def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V, causal; dropout draws from the layer's per-TP-rank stream (heads are split)."""
+    def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
+                       bounds: Bounds | None = None) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) V, causal (within each document when ``bounds`` is given); dropout draws
+        from the layer's per-TP-rank stream (heads are split)."""
         if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
-            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp)
+            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp, bounds)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         # p = 0 draws nothing: skip swapping the stream's RNG state in and out (4 state copies per layer)
         rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
         with rng:
+            if bounds is not None:  # one fused causal call per document: nothing across documents is computed
+                return document_attention(q_bnsd, k_bgsd, v_bgsd, bounds, dropout_p=dropout)
             return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
                                                   enable_gqa=self.heads_per_group > 1)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """``cache`` (decoding only): the new tokens follow the cached ones, attend to them, and are cached."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """``cache`` (decoding only): the new tokens follow the cached ones, attend to them, and are cached.
+        ``documents`` (packed samples, this rank's cut): positions that restart, attention kept in documents."""
         qkv = self.qkv(x)  # [s, b, g * x * d]
         qkv_bgxsd = rearrange(qkv, "s b (g x d) -> b g x s d", x=self.heads_per_group + 2, d=self.cfg.head_dim)
         q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
         k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
         if self.cfg.arch == "llama":
             new_tokens = q_bnsd.shape[2]
-            positions = (self.ctx.positions(new_tokens, x.device) if cache is None
+            positions = (self.ctx.positions(new_tokens, x.device, documents) if cache is None
                          else cache.positions(new_tokens, x.device))
             cos, sin = rotary_cos_sin(positions, self.cfg)
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
         if cache is None:
-            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd)  # model/recompute.py may checkpoint this
+            bounds = None if documents is None else documents.bounds
+            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd, bounds)  # model/recompute.py may checkpoint this
         else:
             out_bnsd = cached_attention(q_bnsd, *cache.update(self.layer_id, k_bgsd, v_bgsd))
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
@@ -201,6 +219,7 @@ class TransformerBlock(nn.Module):
             return x
         return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, self.layer_id)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.norm1(x), cache=cache))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        x = x + self._dropout(self.attention(self.norm1(x), cache=cache, documents=documents))
         return x + self._dropout(self.mlp(self.norm2(x)))

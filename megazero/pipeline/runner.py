@@ -17,16 +17,27 @@ in the step, so gradient communication waits for the final micro-batch.
 It returns the detached per-micro-batch losses on the last pipeline stage
 (empty elsewhere). Each micro-batch's loss is scaled by 1/m before backward,
 so accumulated grads are those of the mean loss.
+
+Packed documents (``packing``, ``model.documents``): each micro-batch's
+documents are found once, here, and go with it to every stage. With
+--eod-mask-loss micro-batches keep different token counts, so a mean of
+means would weigh tokens unequally: the kept tokens of the whole global batch
+are counted (one all-reduce over DP) and each micro-batch's loss is its
+masked sum x dp·cp·m / count, which the 1/m here, the gradient mean over
+dp x cp and the trainer's loss mean turn into the global token mean.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import torch
 from torch import nn
 
+from ..model.documents import Documents, PackingRule
+from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .p2p import StageLink
 from .timeline import Timeline
@@ -44,12 +55,26 @@ class ScheduleStats:
     max_in_flight: int = 0
 
 
+def step_documents(packing: PackingRule, micro_batches: list[torch.Tensor],
+                   pstate: ParallelState) -> list[Documents]:
+    """Each micro-batch's documents; with a loss mask, scaled so the step's loss is the global token mean."""
+    documents = [packing.documents(tokens[:, :-1]) for tokens in micro_batches]
+    if not packing.eod_mask_loss:
+        return documents
+    count = torch.tensor([sum(d.token_count() for d in documents)], dtype=torch.float64, device=pstate.device)
+    C.all_reduce(count, pstate.dp_group)  # CP ranks hold the same whole samples: counted once, over DP only
+    scale = pstate.dp_cp * len(micro_batches) / max(1.0, float(count.item()))
+    return [dataclasses.replace(d, loss_scale=scale) for d in documents]
+
+
 class StepRunner:
     """One rank's state during one schedule call: its chunks, the data, the link, the counts."""
 
     def __init__(self, chunks: list[nn.Module], micro_batches: list[torch.Tensor], pstate: ParallelState,
-                 no_sync: NoSync, timeline: Timeline | None, link: StageLink) -> None:
+                 no_sync: NoSync, timeline: Timeline | None, link: StageLink,
+                 documents: list[Documents] | None = None) -> None:
         self.chunks, self.micro_batches, self.pstate = chunks, micro_batches, pstate
+        self.documents = documents
         self.no_sync, self.timeline, self.link = no_sync, timeline, link
         self.m, self.vp = len(micro_batches), len(chunks)
         self.first, self.last = pstate.is_first_stage, pstate.is_last_stage
@@ -71,8 +96,9 @@ class StepRunner:
         model, mb = self.chunks[c], self.forward_count[c]
         self.forward_count[c] += 1
         tokens = self.micro_batches[mb]
+        args = (tokens[:, :-1] if model.pre_process else x, tokens[:, 1:] if model.post_process else None)
         with self._span("F", mb, c):
-            out = model(tokens[:, :-1] if model.pre_process else x, tokens[:, 1:] if model.post_process else None)
+            out = model(*args) if self.documents is None else model(*args, documents=self.documents[mb])
         if model.post_process:
             self.losses.append(out.detach())
             out = out / self.m
@@ -126,8 +152,9 @@ class Schedule:
     """
 
     def __init__(self, name: str, step: StepFn, stage_shape: tuple[int, int, int], dtype: torch.dtype,
-                 timeline: Timeline | None = None, *, chunks_per_rank: int = 1) -> None:
-        self.name, self.step, self.timeline = name, step, timeline
+                 timeline: Timeline | None = None, *, chunks_per_rank: int = 1,
+                 packing: PackingRule | None = None) -> None:
+        self.name, self.step, self.timeline, self.packing = name, step, timeline, packing
         self.stage_shape, self.dtype, self.chunks_per_rank = stage_shape, dtype, chunks_per_rank
         self.stats = ScheduleStats()
 
@@ -138,8 +165,9 @@ class Schedule:
             f"the {self.name} schedule runs {self.chunks_per_rank} chunk(s) per rank, got {len(chunks)}")
         assert micro_batches[0].shape[0] == self.stage_shape[1], (
             f"micro-batches of {micro_batches[0].shape[0]} sequences, but the stages agreed on {self.stage_shape}")
+        documents = None if self.packing is None else step_documents(self.packing, micro_batches, pstate)
         run = StepRunner(chunks, micro_batches, pstate, no_sync, self.timeline,
-                         StageLink(pstate, self.stage_shape, self.dtype))
+                         StageLink(pstate, self.stage_shape, self.dtype), documents)
         if self.timeline is not None:
             self.timeline.begin_step()
         self.step(run)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 from ..config import LoggingConfig
+from ..model.documents import PackingRule
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from .interleaved import interleaved_1f1b
@@ -82,11 +83,13 @@ SCHEDULES: dict[str, StepFn] = {"no-pipelining": no_pipelining, "gpipe": gpipe, 
                                 "interleaved": interleaved_1f1b}
 
 
-def build_schedule(plan: RunPlan, *, timeline: Timeline | None = None) -> Schedule:
-    """The plan's schedule, passing activations of ``plan.stage_shape`` in ``plan.compute_dtype``."""
+def build_schedule(plan: RunPlan, *, timeline: Timeline | None = None,
+                   packing: PackingRule | None = None) -> Schedule:
+    """The plan's schedule, passing activations of ``plan.stage_shape`` in ``plan.compute_dtype``;
+    ``packing``: the run's document flags (``model.documents.packing_rule``), None without them."""
     assert plan.schedule in SCHEDULES, f"unknown pipeline schedule {plan.schedule!r}"
     return Schedule(plan.schedule, SCHEDULES[plan.schedule], plan.stage_shape, plan.compute_dtype, timeline,
-                    chunks_per_rank=plan.virtual_stages)
+                    chunks_per_rank=plan.virtual_stages, packing=packing)
 
 
 def schedule_timeline(logging: LoggingConfig, pstate: ParallelState) -> Timeline | None:

@@ -24,6 +24,7 @@ from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
 from ..model.compile import apply_compile, report_once
+from ..model.documents import packing_rule
 from ..model.recompute import apply_recompute
 from ..model.sdpa import describe_attention
 from ..optimizer.accounting import memory_records
@@ -294,7 +295,8 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     if wandb is not None:
         owned.callback(wandb.finish)
         log.print(wandb_line(wandb))
-    schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
+    schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate),
+                              packing=packing_rule(cfg.data, data.tokenizer.eos_id))
     return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
                    start_iteration=start, eval_batches=eval_batches,
                    save=_saver(cfg, plan, pstate, chunks, optimizer, batches, rng, loaded, owned), wandb=wandb)

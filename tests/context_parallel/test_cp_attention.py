@@ -20,6 +20,7 @@ from megazero.context_parallel.attention import cp_attention
 from megazero.context_parallel.blocks import block_forward, math_forward, merge
 from megazero.context_parallel.ring import attention_work, ring_attention
 from megazero.parallel.collectives import CommLedger
+from tests.helpers.cp_groups import cp_groups
 from tests.helpers.dist import spawn
 
 B, S, D, HEADS = 1, 64, 8, 8
@@ -47,19 +48,6 @@ def _run(ctx: CPContext, dtype: torch.dtype, kv_heads: int, attn=cp_attention) -
     return {"err": errs, "bitwise": [torch.equal(a, take(b)) for a, b in zip(got, want)]}
 
 
-def _groups(cp: int, a2a: int) -> tuple:
-    """This rank's CP group, its all-to-all group and its ring (new_group is collective: all ranks, one order)."""
-    rank, mine = dist.get_rank(), {}
-    whole = dist.new_group(list(range(cp)))
-    for name, parts in (("a2a", [list(range(i, i + a2a)) for i in range(0, cp, a2a)]),
-                        ("ring", [list(range(u, cp, a2a)) for u in range(a2a)])):
-        for ranks in parts:
-            handle = dist.new_group(ranks)
-            if rank in ranks:
-                mine[name] = handle
-    return whole, mine["a2a"], mine["ring"]
-
-
 def _traffic(whole, dtype: torch.dtype, kv_heads: int, comm_type: str) -> tuple[dict, dict]:
     """Bytes this rank sent on the CP group in one forward, then in one backward."""
     ledger = CommLedger()
@@ -80,7 +68,7 @@ def _traffic(whole, dtype: torch.dtype, kv_heads: int, comm_type: str) -> tuple[
 def _world(pstate, cp: int) -> dict:
     """Every check of one cp size (a2a+p2p with U = 2 from cp 4)."""
     rank = dist.get_rank()
-    whole, a2a_group, ring_group = _groups(cp, 2)
+    whole, a2a_group, ring_group = cp_groups(cp, 2)
     res: dict = {}
     for dtype in (torch.float32, torch.float64):
         for kv in (HEADS, 2):

@@ -22,12 +22,10 @@ from typing import Any
 
 import torch
 
-from .config import Config, ParallelConfig, Placement, require  # noqa: F401 (Placement: re-exported)
+from .config import Config, ParallelConfig, Placement, require
 from .context_parallel.split import CPSplit
+from .dtypes import DTYPES
 from .parallel.layout import Layout
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class ZeroStage(enum.IntEnum):

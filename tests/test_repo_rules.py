@@ -9,6 +9,7 @@
 - Imports in megazero/ point one way, up ``LAYERS``; nothing in the package imports the scripts on
   top (tools/, bench/, pretrain_gpt.py) or the tests.
 - Modules are at most 400 lines and functions at most 60, in megazero/ and in the scripts on top.
+- A name shared across the package has one home (``HOMES``): defined there only, imported from there only.
 
 Imports are read with ``ast``, so imports inside functions and relative imports count too.
 """
@@ -89,7 +90,7 @@ PACKAGE = ROOT / "megazero"
 # never of its layer's other parts or of a higher one (``data_parallel`` never imports ``optimizer``;
 # nothing but ``training`` imports ``training``). A part is a subpackage or a top-level module.
 LAYERS = (
-    {"config_fields"}, {"model_config"}, {"config"},
+    {"config_fields", "dtypes"}, {"model_config"}, {"config"},
     {"parallel"}, {"tensor_parallel", "context_parallel"}, {"run_plan"},
     {"model"}, {"pipeline"}, {"data_parallel"}, {"optimizer"}, {"data"},
     {"memory", "checkpoint"}, {"training"}, {"arguments"},
@@ -208,3 +209,39 @@ def test_the_size_check_measures_defs(tmp_path):
     (tmp_path / "m.py").write_text(f"def short():\n    pass\n\n\nclass C:\n    def long(self):\n{body}\n")
     found = long_parts(tmp_path / "m.py", max_module=5)
     assert len(found) == 2 and "lines > 5" in found[0] and "long: 61 lines > 60" in found[1], found
+
+
+# Names many modules use, each defined in and imported from one module only (no re-exports, no copies).
+HOMES = {"Placement": "megazero.config", "DTYPES": "megazero.dtypes", "DTYPE_NAMES": "megazero.dtypes"}
+
+
+def homeless_names(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Where ``source`` (the code of ``module``) defines or imports a ``HOMES`` name away from its home."""
+    package = module if is_package else module.rpartition(".")[0]
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        defined = [node.name] if isinstance(node, ast.ClassDef | ast.FunctionDef) else \
+            [node.id] if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) else []
+        bad += [f"{module} defines {name} (its home is {HOMES[name]})" for name in defined
+                if name in HOMES and module != HOMES[name]]
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            bad += [f"{module} imports {a.name} from {base} (its home is {HOMES[a.name]})" for a in node.names
+                    if a.name in HOMES and base != HOMES[a.name]]
+    return bad
+
+
+def test_shared_names_have_one_home():
+    bad = [line for path in sources_with_limits() + sorted(TESTS.rglob("*.py"))
+           for line in homeless_names(path.read_text(), module_name(path), path.name == "__init__.py")]
+    assert not bad, "define and import these from their one home:\n" + "\n".join(bad)
+
+
+def test_the_home_check_sees_copies_and_re_exports():
+    source = "from ..run_plan import Placement\nfrom ..dtypes import DTYPES\nDTYPE_NAMES = {}\n"
+    assert homeless_names(source, "megazero.checkpoint.convert") == [
+        "megazero.checkpoint.convert imports Placement from megazero.run_plan (its home is megazero.config)",
+        "megazero.checkpoint.convert defines DTYPE_NAMES (its home is megazero.dtypes)"]

@@ -19,7 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megazero.checkpoint.convert import DTYPES, hf_to_checkpoint, read_full_state, save_hf  # noqa: E402
+from megazero.checkpoint.convert import hf_to_checkpoint, read_full_state, save_hf  # noqa: E402
+from megazero.dtypes import DTYPES  # noqa: E402
 
 
 def _tokenizer_for(cfg, explicit: str | None, explicit_type: str | None) -> tuple[str | None, str | None]:

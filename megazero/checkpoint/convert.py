@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..config import Config, ConfigError, ModelConfig
+from ..dtypes import DTYPE_NAMES
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
 from ..parallel.layout import Layout
@@ -30,9 +31,6 @@ from .save import non_finite
 from .slices import relative, tp_region
 
 State = dict[str, torch.Tensor]
-# --dtype of tools/convert_checkpoint.py: HF weights in these dtypes.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def read_full_state(path: str, tp: int | None = None) -> tuple[Config, State]:

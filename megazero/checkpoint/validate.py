@@ -16,7 +16,7 @@ from typing import Any
 
 from .slices import Region, cover_problem, tp_region, volume
 
-DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})
+STORED_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64"})  # torch's names, as the index records them
 
 
 class Bad(ValueError):
@@ -70,8 +70,8 @@ def _model(meta: dict[str, Any]) -> dict[str, Any]:
         split = entry["split_dim"]
         if split is not None:
             _int(split, f"{what} 'split_dim'", 0, len(shape) - 1)
-        if _get(entry, "dtype", str, f"{what} 'dtype'") not in DTYPES:
-            raise Bad(f"{what} has dtype {entry['dtype']!r}, not one of {sorted(DTYPES)}")
+        if _get(entry, "dtype", str, f"{what} 'dtype'") not in STORED_DTYPES:
+            raise Bad(f"{what} has dtype {entry['dtype']!r}, not one of {sorted(STORED_DTYPES)}")
         _get(entry, "padded_rows", bool, f"{what} 'padded_rows'")
         files = _get(entry, "files", dict, f"{what} 'files'")
         for fname in files:

@@ -66,10 +66,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import Placement
 from ..parallel import collectives as C
 from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
-from ..run_plan import GradReduction, Placement, StatePlacement, UnitGathering, ZeroStage
+from ..run_plan import GradReduction, StatePlacement, UnitGathering, ZeroStage
 from .buffers import Bucket, ParamGradBuffer
 from .host_transfers import HostTransfers, disk_buffer_width
 from .reduction import ReductionGroup, reduction_for

@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..run_plan import Placement
+from ..config import Placement
 from .rank_file import OffloadError, RankFile
 
 MAX_WRITES_BEHIND = 2  # updated shards queued for the disk at once

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..dtypes import DTYPES
 from ..run_plan import ZeroStage
 
 
@@ -158,8 +159,8 @@ class StateBytes:
 
 def bytes_per_param(precision: str, main_grads_dtype: str = "fp32") -> tuple[int, int, int]:
     """(w, g, K): compute weights, main grads, optimizer state (master + moments) bytes per parameter."""
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ValueError(f"precision must be fp32, bf16 or fp16, got {precision!r}.")
+    if precision not in DTYPES:
+        raise ValueError(f"precision must be one of {', '.join(DTYPES)}, got {precision!r}.")
     if precision == "fp32":
         return 4, 4, 8
     return 2, (2 if main_grads_dtype == "bf16" else 4), 12

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ..config import Config, ConfigError, ModelConfig, Placement
-from ..run_plan import DTYPE_NAMES, RunPlan, UnitGathering, ZeroStage
+from ..dtypes import DTYPE_NAMES
+from ..run_plan import RunPlan, UnitGathering, ZeroStage
 from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, head_working_bytes,
                           in_flight_micro_batches, recompute_working_bytes)
 from .grads import grad_bytes, unit_buckets

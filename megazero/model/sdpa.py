@@ -13,7 +13,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ..config import ModelConfig
-from ..run_plan import DTYPE_NAMES
+from ..dtypes import DTYPE_NAMES
 
 
 def sdpa_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int,

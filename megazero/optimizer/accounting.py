@@ -18,10 +18,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from ..config import Placement
 from ..model.gpt import count_parameters
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import Placement
 from .zero import DistributedOptimizer
 
 

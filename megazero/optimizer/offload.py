@@ -38,9 +38,10 @@ from typing import Iterator
 
 import torch
 
+from ..config import Placement
 from ..data_parallel.host_transfers import disk_buffer_width, host_empty
 from ..data_parallel.rank_file import OffloadError, RankFile
-from ..run_plan import Placement, StatePlacement
+from ..run_plan import StatePlacement
 from .adam import ShardedAdamState
 from .pieces import Runs, piece_bounds
 

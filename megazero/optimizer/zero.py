@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config, OptimizerConfig
+from ..config import Config, OptimizerConfig, Placement
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import GradReduction, Placement, RunPlan, StatePlacement, UnitGathering, ZeroStage
+from ..run_plan import GradReduction, RunPlan, StatePlacement, UnitGathering, ZeroStage
 from ..data_parallel.buffers import Bucket, ParamGradBuffer, merged_runs
 from ..data_parallel.engine import GradSyncEngine
 from ..data_parallel.host_transfers import HostTransfers

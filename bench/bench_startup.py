@@ -80,6 +80,7 @@ def child(method: str, tp: int, tp_rank: int, pp_rank: int, num_layers: int) -> 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megazero.config import Config
+    from megazero.model.chunk import blocks_of
     from megazero.parallel.state import ParallelState
     from megazero.pipeline.partition import build_chunks
     from megazero.run_plan import RunPlan
@@ -97,7 +98,7 @@ def child(method: str, tp: int, tp_rank: int, pp_rank: int, num_layers: int) -> 
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     params = list(model.parameters())
     return {"method": method, "tp": tp, "tp_rank": tp_rank, "pp_rank": pp_rank, "num_layers": num_layers,
-            "blocks": len(model.layers), "seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": before,
+            "blocks": len(blocks_of(model)), "seconds": seconds, "cpu_seconds": cpu_seconds, "rss_before": before,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "own_params": sum(p.numel() for p in params),
             "own_bytes": sum(p.numel() * p.element_size() for p in params),

@@ -67,6 +67,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Placement
+from ..model.chunk import blocks_of
 from ..parallel import collectives as C
 from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
@@ -288,17 +289,15 @@ class GradSyncEngine:
         self._gathers.clear()
 
     def _register_gather_waits(self, index: int, module: nn.Module) -> None:
-        """Each block (element of a ModuleList/ModuleDict) waits for its buckets just before its
-        forward; parameters outside blocks (embeddings, head, final norm) at the chunk's start."""
+        """Each block (``blocks_of``) waits for its buckets just before its forward; parameters outside
+        blocks (embeddings, head, final norm) at the chunk's start."""
         buf = self.buffers[index]
         bucket_of = {p: b.index for b in buf.buckets for p in b.params}
         covered: set[nn.Parameter] = set()
-        for container in module.modules():
-            if isinstance(container, (nn.ModuleList, nn.ModuleDict)):
-                for block in container.children():
-                    params = [p for p in block.parameters() if p in bucket_of]
-                    covered.update(params)
-                    block.register_forward_pre_hook(self._waiter(index, {bucket_of[p] for p in params}))
+        for block in blocks_of(module):
+            params = [p for p in block.parameters() if p in bucket_of]
+            covered.update(params)
+            block.register_forward_pre_hook(self._waiter(index, {bucket_of[p] for p in params}))
         rest = {bucket_of[p] for p in buf.params if p not in covered}
         module.register_forward_pre_hook(self._waiter(index, rest))
 

@@ -40,6 +40,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ..model.chunk import blocks_of
 from ..parallel import collectives as C
 from ..run_plan import UnitGathering
 from .buffers import Bucket, ParamGradBuffer
@@ -61,12 +62,10 @@ def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
 
     The root unit (everything outside the blocks; entered and left through ``module`` itself)
     comes first, when the chunk has such parameters; then every ``layers_per_unit`` consecutive
-    blocks (children of the chunk's ModuleList/ModuleDict) form one unit, entered through its
-    first block and left through its last.
+    blocks (``blocks_of``) form one unit, entered through its first block and left through its last.
     """
     trainable = [p for p in module.parameters() if p.requires_grad]
-    blocks = [block for container in module.modules() if isinstance(container, (nn.ModuleList, nn.ModuleDict))
-              for block in container.children()]
+    blocks = blocks_of(module)
     in_blocks = {p for block in blocks for p in block.parameters()}
     units = [UnitSpec(module, module, [p for p in trainable if p not in in_blocks], root=True)]
     for i in range(0, len(blocks), layers_per_unit):

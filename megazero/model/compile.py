@@ -39,12 +39,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .chunk import blocks_of
 from .transformer import TransformerBlock
-
-
-def blocks_of(model: nn.Module) -> list[TransformerBlock]:
-    """The transformer blocks of a built model chunk, in order."""
-    return [m for m in model.modules() if isinstance(m, TransformerBlock)]
 
 
 def eager_sites(block: TransformerBlock) -> list[str]:

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..tensor_parallel.random import DropoutRNG
+from .chunk import blocks_of
 
 MODES = ("none", "selective", "full")
 
@@ -97,7 +98,7 @@ def apply_recompute(model: nn.Module, mode: str, num_layers: int | None = None) 
     """
     if mode not in MODES:
         raise ValueError(f"--recompute must be one of {MODES}, got {mode!r}.")
-    blocks = list(model.layers.values())
+    blocks = blocks_of(model)
     limit = len(blocks) if num_layers is None else num_layers
     for i, block in enumerate(blocks):
         _reset(block)

@@ -23,6 +23,7 @@ from ..config import Config
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
+from ..model.chunk import blocks_of
 from ..model.compile import apply_compile, report_once
 from ..model.documents import packing_rule
 from ..model.recompute import apply_recompute
@@ -241,7 +242,7 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         loaded = found[0] if found else None
         trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
         if cfg.training.compile:  # graphs compile during the first step; say how long that took, once
-            trainer.train_step = report_once(trainer.train_step, sum(len(c.layers) for c in chunks), say)
+            trainer.train_step = report_once(trainer.train_step, sum(len(blocks_of(c)) for c in chunks), say)
         return trainer.train()
 
 

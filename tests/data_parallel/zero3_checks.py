@@ -17,6 +17,7 @@ from torch import nn
 
 from megazero.config import Config
 from megazero.memory.params import model_state_bytes
+from megazero.model.chunk import blocks_of
 from megazero.optimizer.accounting import measured_state_bytes
 from megazero.data_parallel.zero3 import Unit
 from megazero.optimizer.zero import DistributedOptimizer
@@ -38,12 +39,6 @@ def gathered_bytes(opt: DistributedOptimizer) -> int:
     return sum(b.param.untyped_storage().nbytes() for buf in opt.buffers for b in buf.buckets)
 
 
-def _blocks(chunk: nn.Module) -> list[nn.Module]:
-    """The chunk's transformer blocks, as ``plan_units`` finds them."""
-    return [block for container in chunk.modules() if isinstance(container, (nn.ModuleList, nn.ModuleDict))
-            for block in container.children()]
-
-
 class UnitProbe:
     """Snapshots of which units hold their bytes, taken at every block's forward and pre-backward;
     ``problems`` lists every broken invariant (empty when ZeRO 3 frees what it should)."""
@@ -59,8 +54,8 @@ class UnitProbe:
         self.block_units: set[tuple[int, int]] = set()  # (chunk, unit index) of units made of blocks
         for c, (chunk, units) in enumerate(zip(chunks, self.chunk_units)):
             unit_of = {id(p): u.index for u in units for p in u.params}
-            self.block_units |= {(c, unit_of[id(p)]) for block in _blocks(chunk) for p in block.parameters()}
-            for block in _blocks(chunk):
+            self.block_units |= {(c, unit_of[id(p)]) for block in blocks_of(chunk) for p in block.parameters()}
+            for block in blocks_of(chunk):
                 index = unit_of[id(next(block.parameters()))]
                 block.register_forward_pre_hook(self._on_forward(c, index))
                 block.register_forward_hook(self._on_output(c, index))

@@ -11,6 +11,7 @@ from typing import Any
 
 from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
+from megazero.model.chunk import blocks_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from tests.helpers.optimizer_harness import train
@@ -60,7 +61,7 @@ def run_many(pstate: ParallelState, runs: list[CPRun]) -> dict[str, dict[str, An
 
         def count_tokens(chunks, optimizer, pstate) -> None:
             for chunk in chunks:
-                for block in chunk.layers.values():
+                for block in blocks_of(chunk):
                     block.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
 
         result = train(states[key], run.cfg, hook=count_tokens)

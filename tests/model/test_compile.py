@@ -16,6 +16,7 @@ import torch
 import torch._dynamo
 
 from megazero.config import ModelConfig
+from megazero.model.chunk import blocks_of
 from megazero.model.compile import apply_compile, compile_block
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
@@ -44,7 +45,7 @@ def test_block_is_one_graph_shared_by_all_blocks(arch):
     blocks reuse one graph: compile time does not grow with depth."""
     torch._dynamo.reset()
     model = _model(arch)
-    blocks = list(model.layers.values())
+    blocks = blocks_of(model)
     assert all(compile_block(b, backend="aot_eager") for b in blocks)  # True: fullgraph
     explained = torch._dynamo.explain(type(blocks[0]).forward)(blocks[0], torch.randn(16, 2, 64))
     assert explained.graph_break_count == 0 and explained.graph_count == 1

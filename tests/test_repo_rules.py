@@ -10,12 +10,14 @@
   top (tools/, bench/, pretrain_gpt.py) or the tests.
 - Modules are at most 400 lines and functions at most 60, in megazero/ and in the scripts on top.
 - A name shared across the package has one home (``HOMES``): defined there only, imported from there only.
+- A chunk's blocks are found one way, ``megazero.model.chunk.blocks_of``.
 
 Imports are read with ``ast``, so imports inside functions and relative imports count too.
 """
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -245,3 +247,16 @@ def test_the_home_check_sees_copies_and_re_exports():
     assert homeless_names(source, "megazero.checkpoint.convert") == [
         "megazero.checkpoint.convert imports Placement from megazero.run_plan (its home is megazero.config)",
         "megazero.checkpoint.convert defines DTYPE_NAMES (its home is megazero.dtypes)"]
+
+
+# Ways of walking a chunk's blocks other than ``model.chunk.blocks_of``; the chunk itself (gpt.py) runs its own.
+BLOCK_WALKS = re.compile(r"\.layers\.(values|items|keys)\(\)|len\([^()]*\.layers\)"
+                         r"|isinstance\([^)]*TransformerBlock|nn\.ModuleList, nn\.ModuleDict")
+BLOCK_WALKERS = {"megazero/model/chunk.py", "megazero/model/gpt.py"}
+
+
+def test_the_blocks_of_a_chunk_are_found_one_way():
+    bad = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in sorted(PACKAGE.rglob("*.py"))
+           if str(path.relative_to(ROOT)) not in BLOCK_WALKERS
+           for i, line in enumerate(path.read_text().splitlines(), start=1) if BLOCK_WALKS.search(line)]
+    assert not bad, "find a chunk's blocks with megazero.model.chunk.blocks_of:\n" + "\n".join(bad)

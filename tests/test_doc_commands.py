@@ -57,7 +57,10 @@ COMMANDS: dict[str, str] = {
     ".venv/bin/python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 "
     "--pp 2": _CKPT,
     "$ .venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2 "
-    "--train-iters 20 --log-timers --eval-interval 20": _TRAINS,
+    "--train-iters 20 --log-timers --eval-interval 20 --save runs/tiny-8 --metrics-file runs/tiny-8/metrics.jsonl":
+        _TRAINS,
+    ".venv/bin/torchrun --standalone --nproc_per_node 2 pretrain_gpt.py --config configs/tiny.yaml --tp 3 2>&1 | "
+    "tail -3": RUN,
     ".venv/bin/python tools/plot_metrics.py runs/tiny/metrics.jsonl runs/tiny-lr3e-3/metrics.jsonl --output "
     "docs/img/tiny_metrics.png": _PLOT,
     ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --zero 1": RUN,

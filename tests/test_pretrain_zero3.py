@@ -52,7 +52,7 @@ def test_zero3_tp2_pp2_dp2_trains_and_resumes_bitwise(tmp_path):
     saved = ckpt / f"iter_{RESUMED_FROM:07d}"
     meta = json.loads((saved / "metadata.json").read_text())
     assert meta["layout"]["zero"] == 3 and len(meta["optimizer"]["files"]) == 8  # one shard per (tp, pp, dp)
-    assert sorted(os.listdir(ckpt)) == ["iter_0000003", "iter_0000006", "latest"]
+    assert sorted(os.listdir(ckpt)) == ["config.yaml", "iter_0000003", "iter_0000006", "latest"]
 
     resumed = _run(tmp_path, "resumed", ["--load", str(saved)])
     assert _steps(resumed) == steps[RESUMED_FROM:]  # bitwise on CPU

@@ -65,7 +65,7 @@ def _outputs(cfg: Config, latest: str) -> str:
     if cfg.checkpoint.save:
         where.append(f"checkpoints {cfg.checkpoint.save}" + (f" ({latest})" if latest else ""))
     if lg.tensorboard_dir:
-        where.append(f"tensorboard {lg.tensorboard_dir} (tensorboard --logdir {lg.tensorboard_dir})")
+        where.append(f"tensorboard {lg.tensorboard_dir} (.venv/bin/tensorboard --logdir {lg.tensorboard_dir})")
     return "megazero: outputs: " + ("; ".join(where) if where else "none (no --metrics-file, --save or "
                                     "--tensorboard-dir)")
 

@@ -63,13 +63,15 @@ def write_config(cfg: Config, folder: str) -> str | None:
 
 def _config_folders(cfg: Config, pstate: ParallelState) -> list[str]:
     """Where this rank writes config.yaml: --save (rank 0, its owner) and the metrics file's folder (the rank
-    that writes the metrics file)."""
-    folders = []
-    if cfg.checkpoint.save and pstate.rank == 0:
-        folders.append(cfg.checkpoint.save)
-    if cfg.logging.metrics_file and pstate.is_logging_rank:
-        folders.append(os.path.dirname(cfg.logging.metrics_file) or ".")
-    return list(dict.fromkeys(os.path.realpath(folder) for folder in folders))
+    that writes the metrics file), unless that is the --save folder."""
+    save, folders = cfg.checkpoint.save, []
+    if save and pstate.rank == 0:
+        folders.append(save)
+    metrics = os.path.dirname(cfg.logging.metrics_file or "") or "."
+    if cfg.logging.metrics_file and pstate.is_logging_rank and not (
+            save and os.path.realpath(metrics) == os.path.realpath(save)):
+        folders.append(metrics)
+    return folders
 
 
 def data_lines(cfg: Config, data: DataBundle) -> list[str]:
@@ -113,7 +115,7 @@ def wandb_line(logger: WandbLogger) -> str:
         return "megazero: wandb: disabled (--wandb-mode disabled); nothing is logged to it"
     folder = os.path.dirname(run.dir)  # run.dir is the run's files/ folder
     if run.settings.mode == "offline":
-        return f"megazero: wandb: offline run in {folder}; upload it with: wandb sync {folder}"
+        return f"megazero: wandb: offline run in {folder}; upload it with: .venv/bin/wandb sync {folder}"
     return f"megazero: wandb: run {run.url}, local files in {folder}"
 
 

@@ -58,7 +58,7 @@ def test_async_files_equal_sync_files(runs):
     """Training is untouched by the background writes, and every checkpoint file is the same, byte for byte."""
     tmp, sync, asynchronous = runs
     assert _steps(asynchronous) == _steps(sync)
-    assert sorted(os.listdir(tmp / "async")) == ["iter_0000002", "iter_0000004", "latest"]  # both published
+    assert sorted(os.listdir(tmp / "async")) == ["config.yaml", "iter_0000002", "iter_0000004", "latest"]  # published
     assert open(tmp / "async" / "latest").read().strip() == "iter_0000004"
     for it in ("iter_0000002", "iter_0000004"):
         want, got = _files(str(tmp / "sync" / it)), _files(str(tmp / "async" / it))

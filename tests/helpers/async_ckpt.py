@@ -29,7 +29,7 @@ def saver_for(root: str, pstate: ParallelState, zero: int = 0, **kw: Any) -> Asy
 
 
 def _crash_mid_background_write(root: str) -> None:
-    saver = saver_for(root, ParallelState.serial())
+    saver = saver_for(root, ParallelState.serial(), log=lambda line: print(line, file=sys.stderr))  # stdout: the marks
     saver(5)
     saver.finish()
     written = threading.Event()

@@ -57,7 +57,7 @@ def diverged(tmp_path_factory):
 def test_divergence_stop_publishes_the_pending_async_save(diverged):
     tmp, root, results = diverged
     assert _iterations(tmp / "m.jsonl") == [(1, 4), (2, 8)]  # the stop came in the step after the save
-    assert sorted(os.listdir(root)) == ["iter_0000001", "latest"], "published, no staging folder left"
+    assert sorted(os.listdir(root)) == ["config.yaml", "iter_0000001", "latest"], "published, no staging folder left"
     assert open(os.path.join(root, "latest")).read().strip() == "iter_0000001"
     assert storage.read_metadata(storage.resolve(root))["iteration"] == 1
     for rank, r in enumerate(results):  # every rank: status 2, one line, and what it says of 'latest' is true
@@ -86,7 +86,7 @@ def test_divergence_stop_says_truly_that_the_pending_save_failed(tmp_path):
     script, root = tmp_path / "full_disk.py", str(tmp_path / "ckpt")
     script.write_text(FULL_DISK_ON_RANK_1)
     results = launch(str(script), [*SMALL, *DIVERGE, "--save", root], 2, timeout=GUARD)
-    assert os.listdir(root) == []
+    assert os.listdir(root) == ["config.yaml"]  # the run's resolved configuration; no checkpoint, no staging
     for rank, r in enumerate(results):
         errors = _errors(r.stderr)
         assert r.returncode == 2 and len(errors) == 1, f"rank {rank}:\n{r.stderr[-3000:]}"
@@ -167,8 +167,9 @@ def test_unpublished_async_save_says_what_latest_names(tmp_path):
     saver.close()
     assert (f"{root} holds no published checkpoint yet (no 'latest'); the next save removes "
             f"{root}/iter_0000003.tmp-") in said[0], said
-    assert "iteration 3 was not published" in said[0] and "iteration 9 was not published" in said[1]
-    assert f"'latest' in {root} names iter_0000005;" in said[1], said
+    assert said[1].startswith(f"megazero: --async-save published checkpoint {root}/iter_0000005 ("), said
+    assert "iteration 3 was not published" in said[0] and "iteration 9 was not published" in said[2]
+    assert f"'latest' in {root} names iter_0000005;" in said[2], said
     assert open(os.path.join(root, "latest")).read().strip() == "iter_0000005"
 
 

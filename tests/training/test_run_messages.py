@@ -50,7 +50,8 @@ def runs(tmp_path_factory):
     for rank, r in enumerate(a):
         assert r.returncode == 0, f"run a rank {rank}:\n{r.stderr[-3000:]}"
     b = launch("pretrain_gpt.py", [*B_ARGS, "--load", str(tmp / "a" / "ckpt"), "--save", str(tmp / "b" / "ckpt"),
-                                   "--metrics-file", str(tmp / "b" / "metrics.jsonl")], 1, timeout=GUARD)
+                                   "--metrics-file", str(tmp / "b" / "metrics.jsonl"),
+                                   "--tensorboard-dir", str(tmp / "b" / "tb")], 1, timeout=GUARD)
     assert b[0].returncode == 0, b[0].stderr[-3000:]
     return tmp, a, b[0]
 
@@ -97,7 +98,7 @@ def test_startup_data_line_counts_documents_tokens_samples_epochs(runs):
 def test_wandb_line_names_the_offline_run_and_how_to_sync_it(runs):
     tmp, a, _ = runs
     line = next(line for line in a[0].stdout.splitlines() if line.startswith("megazero: wandb:"))
-    folder = re.fullmatch(r"megazero: wandb: offline run in (\S+); upload it with: wandb sync (\S+)", line)
+    folder = re.fullmatch(r"megazero: wandb: offline run in (\S+); upload it with: \.venv/bin/wandb sync (\S+)", line)
     assert folder and folder[1] == folder[2] and folder[1].startswith(str(tmp / "a" / "wandb" / "offline-run-"))
     assert any(name.endswith(".wandb") for name in os.listdir(folder[1]))
 
@@ -190,6 +191,8 @@ def test_end_summary_equals_the_metrics_file(runs):
             f"{tmp / 'a' / 'logs' / 'metrics.png'})") in where
     assert f"checkpoints {tmp / 'a' / 'ckpt'} ('latest' in {tmp / 'a' / 'ckpt'} names iter_0000004)" in where
     assert "megazero: done:" not in a[1].stdout
+    where = next(line for line in b.stdout.splitlines() if line.startswith("megazero: outputs:"))
+    assert f"; tensorboard {tmp / 'b' / 'tb'} (.venv/bin/tensorboard --logdir {tmp / 'b' / 'tb'})" in where
 
 
 def test_config_yaml_leaves_user_files_alone(tmp_path):

@@ -54,6 +54,12 @@ COMMANDS: dict[str, str] = {
     "mkdir -p runs/llama-1b && sbatch examples/slurm/pretrain_gpt.sbatch": _MULTI_NODE,
     "bash examples/context_parallel/run_8_ranks.sh": _TRAINS + " (8 ranks, resumes at cp 4)",
     ".venv/bin/python tools/convert_checkpoint.py --input runs/ckpt --output hf_model --to hf": _CKPT,
+    ".venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --train-iters 20 --eval-interval 10 --save runs/ckpt":
+        _TRAINS,
+    ".venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --load runs/ckpt --skip-train":
+        "evaluates the checkpoint the training above saves; tests/checkpoint/test_finetune.py runs --skip-train",
+    ".venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --train-iters 20 --load runs/ckpt --finetune --save "
+    "runs/finetuned": _TRAINS + " (from the checkpoint above; tests/checkpoint/test_finetune.py runs --finetune)",
     ".venv/bin/python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 "
     "--pp 2": _CKPT,
     "$ .venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2 "

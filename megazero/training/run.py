@@ -19,7 +19,7 @@ from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
 from ..checkpoint.async_save import AsyncCheckpointer
 from ..checkpoint.save import save_checkpoint
-from ..config import Config
+from ..config import Config, ConfigError
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
@@ -68,10 +68,24 @@ def find_checkpoint(cfg: Config) -> tuple[str, dict[str, Any]] | None:
     checkpoint yet); a --load elsewhere that holds nothing raises (see ``ckpt_load.starts_fresh``).
     """
     ck = cfg.checkpoint
+    _check_load_flags(cfg)
     if not ck.load or ckpt_load.starts_fresh(ck.load, ck.save):
         return None
     folder = storage.resolve(ck.load)
     return folder, storage.read_metadata(folder)
+
+
+def _check_load_flags(cfg: Config) -> None:
+    """--finetune and --skip-train settings that cannot work, refused before anything is read."""
+    ck, t = cfg.checkpoint, cfg.training
+    if ck.finetune and ck.save and os.path.realpath(ck.load) == os.path.realpath(ck.save):
+        raise ConfigError(f"--finetune with --load equal to --save ({ck.save}) would start again from iteration 0 "
+                          f"at every restart, from its own latest checkpoint; pass another --save folder.")
+    if ck.skip_train and ck.save:  # (so --skip-train never takes the restart idiom's fresh start either)
+        raise ConfigError(f"--skip-train only evaluates the --load checkpoint and saves nothing; drop --save "
+                          f"{ck.save}.")
+    if ck.skip_train and t.eval_iters < 1:
+        raise ConfigError("--skip-train with --eval-iters 0 evaluates no batch; pass --eval-iters >= 1.")
 
 
 def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
@@ -108,12 +122,13 @@ def _data(cfg: Config, rank: int, say: Callable,
     """
     t = cfg.training
     train_samples = t.train_iters * t.global_batch_size
-    if found:  # consumed samples carry over when --global-batch-size changed (Megatron users ramp it this way)
+    if found and not cfg.checkpoint.finetune:  # consumed samples carry over when --global-batch-size changed
+        # (Megatron users ramp it this way); --finetune reads the data from its start
         done, consumed = int(found[1]["iteration"]), int(found[1]["consumed_samples"])
         train_samples = consumed + max(0, t.train_iters - done) * t.global_batch_size
     data = build_data(data_path=cfg.data.data_path, tokenizer_model=cfg.data.tokenizer_model, split=cfg.data.split,
                       seq_length=cfg.model.seq_length, train_samples=max(1, train_samples),
-                      eval_samples=max(1, t.eval_iters) * t.global_batch_size if t.eval_interval else 0,
+                      eval_samples=max(1, t.eval_iters) * t.global_batch_size if _evaluates(cfg) else 0,
                       seed=t.seed, is_builder=rank == 0, barrier=dist.barrier, log=say,
                       vocab_size=cfg.model.vocab_size, tokenizer_type=cfg.data.tokenizer_type,
                       data_cache_path=cfg.data.data_cache_path)
@@ -130,22 +145,37 @@ def _data(cfg: Config, rank: int, say: Callable,
     return cfg, data
 
 
-def _resume(found, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
+def _resume(found, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
             optimizer: Any, rng: DropoutRNG, say: Callable) -> tuple[int, int]:
-    """Load optimizer state (weights were loaded before the optimizer was built); (iteration, consumed)."""
+    """Load what the flags keep of the checkpoint besides its weights (loaded before the optimizer was built):
+    optimizer state and generators; returns the (iteration, consumed samples) the run starts from."""
     folder, meta = found
-    ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-    reseeded = ckpt_load.resume_rng(folder, meta, plan, pstate, rng)  # the generators the layout change kept
-    if reseeded:
+    ck, seed = cfg.checkpoint, cfg.training.seed
+    if ck.finetune:  # what a checkpoint converted from HF gives: weights only
+        say(f"megazero: --finetune: only the model weights come from {folder}; a fresh optimizer and LR schedule, "
+            f"iteration 0, the data from its start and every generator from --seed {seed}")
+        return 0, 0
+    iteration, consumed = int(meta["iteration"]), int(meta["consumed_samples"])
+    if ck.skip_train:  # evaluation reads the weights alone
+        return iteration, consumed
+    if ck.load_optim:
+        ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+    else:
+        say(f"megazero: --no-load-optim: the optimizer starts fresh at iteration {iteration} (fp32 master weights "
+            f"from the loaded weights, zero Adam moments, the initial loss scale)")
+    if not ck.load_rng:
+        say(f"megazero: --no-load-rng: seeding the default generator and the dropout streams from --seed {seed} "
+            f"at iteration {iteration}; the checkpoint's are not restored.")
+    elif reseeded := ckpt_load.resume_rng(folder, meta, plan, pstate, rng):  # the kinds a layout change kept
         say(reseeded)
-    return int(meta["iteration"]), int(meta["consumed_samples"])
+    return iteration, consumed
 
 
 def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
            batches: MicroBatchIterator, rng: DropoutRNG, loaded: str | None = None, owned: ExitStack | None = None):
     """The trainer's ``save(iteration)``; --async-save: an ``AsyncCheckpointer`` whose writer an error exit
     waits for (``owned``), publishing nothing."""
-    if not cfg.checkpoint.save:
+    if not cfg.checkpoint.save or cfg.checkpoint.skip_train:
         return None
     if cfg.checkpoint.async_save:
         saver = AsyncCheckpointer(cfg.checkpoint.save, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks,
@@ -174,11 +204,17 @@ def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | N
                        directory=lg.wandb_dir)
 
 
+def _evaluates(cfg: Config) -> bool:
+    """Whether this run evaluates: every --eval-interval, or once with --skip-train."""
+    return bool(cfg.training.eval_interval) or cfg.checkpoint.skip_train
+
+
 def _nothing_to_do(cfg: Config, found: tuple[str, dict[str, Any]] | None) -> str | None:
     """The one line saying that the checkpoint to resume is already at or past --train-iters (then nothing
     trains and nothing is saved over it), else None. Every rank decides from the metadata it read itself."""
-    if not found or int(found[1]["iteration"]) < cfg.training.train_iters:
-        return None
+    ck = cfg.checkpoint
+    if not found or ck.finetune or ck.skip_train or int(found[1]["iteration"]) < cfg.training.train_iters:
+        return None  # --finetune starts again at iteration 0; --skip-train trains nothing
     done, wanted = int(found[1]["iteration"]), cfg.training.train_iters
     where = "already at" if done == wanted else "past"
     return (f"megazero: nothing to do: the checkpoint at iteration {done} ({found[0]}) is {where} --train-iters "
@@ -236,11 +272,15 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
         with load_timer:
-            start, consumed = _resume(found, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
+            start, consumed = _resume(found, cfg, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
         if found:
             say(load_timer.line(found[0]))
         loaded = found[0] if found else None
         trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
+        if cfg.checkpoint.skip_train:
+            say(f"megazero: --skip-train: evaluating {found[0]} at iteration {start} on --eval-iters "
+                f"{cfg.training.eval_iters} batches of the validation split; nothing is trained or saved")
+            return [trainer.evaluate()]
         if cfg.training.compile:  # graphs compile during the first step; say how long that took, once
             trainer.train_step = report_once(trainer.train_step, sum(len(blocks_of(c)) for c in chunks), say)
         return trainer.train()
@@ -286,7 +326,7 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     """The loop over this run's batches; the metrics file and wandb close with ``owned``."""
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None
-    if data.valid is not None and cfg.training.eval_interval:
+    if data.valid is not None and _evaluates(cfg):
         eval_batches = lambda: MicroBatchIterator.from_plan(data.valid, plan, pstate.dp_rank)  # noqa: E731
     log = MetricsLog(cfg.logging.metrics_file, pstate.is_logging_rank, tensorboard_dir=cfg.logging.tensorboard_dir)
     owned.callback(log.close)

@@ -200,7 +200,8 @@ class Trainer:
             if self.wandb is not None:
                 self.wandb.log(record, step=record["iteration"])
 
-    def _evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> dict[str, Any]:
+        """Validation loss and perplexity at this iteration, logged and recorded (also all --skip-train does)."""
         result = evaluate(self.chunks, self.eval_batches(), self.cfg.training.eval_iters, self.pstate,
                           self.schedule.stage_shape, self.schedule.dtype)
         record = {"event": "eval", "iteration": self.iteration, **result}
@@ -273,7 +274,7 @@ class Trainer:
             self._check_skips(loss, result)
             if self.eval_batches is not None and t.eval_interval and (
                     self.iteration % t.eval_interval == 0 or last):
-                records.append(self._evaluate())
+                records.append(self.evaluate())
             signalled = self.save is not None and stop.agreed(self.pstate)
             self._save_hook("poll")  # --async-save: publish a background save every rank has written
             interval = self.cfg.checkpoint.save_interval

@@ -25,6 +25,8 @@ means would weigh tokens unequally: the kept tokens of the whole global batch
 are counted (one all-reduce over DP) and each micro-batch's loss is its
 masked sum x dp·cp·m / count, which the 1/m here, the gradient mean over
 dp x cp and the trainer's loss mean turn into the global token mean.
+``reduce_loss`` is that mean: the last stage's losses of a step (or of a
+forward-only walk, ``forward_only.py``) averaged over dp x cp, known on every rank.
 """
 from __future__ import annotations
 
@@ -65,6 +67,21 @@ def step_documents(packing: PackingRule, micro_batches: list[torch.Tensor],
     C.all_reduce(count, pstate.dp_group)  # CP ranks hold the same whole samples: counted once, over DP only
     scale = pstate.dp_cp * len(micro_batches) / max(1.0, float(count.item()))
     return [dataclasses.replace(d, loss_scale=scale) for d in documents]
+
+
+def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
+    """Mean of the last stage's micro-batch losses, averaged over DP and CP and known on every rank.
+
+    A CP rank's loss is the mean over its S/cp tokens of each sample; the counts are equal, so the
+    mean over the dp x cp group is the global token mean.
+    """
+    loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=pstate.device)
+    if losses and pstate.dp_cp_group is not None:
+        C.all_reduce(loss, pstate.dp_cp_group)
+        loss /= pstate.dp_cp
+    if pstate.pp_group is not None:  # only the last stage computed it
+        C.broadcast(loss, pstate.stage_rank(pstate.pp - 1), pstate.pp_group)
+    return float(loss)
 
 
 class StepRunner:

@@ -1,10 +1,8 @@
-"""Validation loss: forward-only passes over held-out batches, through any pipeline layout.
+"""Validation loss: the forward-only walk (``pipeline/forward_only.py``) over held-out global batches.
 
-The forward-only pass walks the virtual stages in order (stage k = chunk
-k // pp of pipeline rank k % pp); the rank that owns a stage receives its
-input from the previous one, runs it and sends the output on. No backward,
-so there is nothing to overlap and no schedule is needed. The mean loss is
-averaged over DP and broadcast from the last stage, like the training loss.
+The mean loss is reduced like the training loss (``pipeline.runner.reduce_loss``):
+averaged over dp x cp and known on every rank. With the run's document flags each
+batch's documents are masked and its loss scaled as in training.
 """
 from __future__ import annotations
 
@@ -14,66 +12,26 @@ import torch
 from torch import nn
 
 from ..data.sampler import to_device
-from ..parallel import collectives as C
+from ..model.documents import PackingRule
 from ..parallel.state import ParallelState
-from ..pipeline.p2p import StageLink
-
-
-def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
-    """Mean of the last stage's micro-batch losses, averaged over DP and CP and known on every rank.
-
-    A CP rank's loss is the mean over its S/cp tokens of each sample; the counts are equal, so the
-    mean over the dp x cp group is the global token mean.
-    """
-    loss = torch.stack(losses).float().mean() if losses else torch.zeros((), device=pstate.device)
-    if losses and pstate.dp_cp_group is not None:
-        C.all_reduce(loss, pstate.dp_cp_group)
-        loss /= pstate.dp_cp
-    if pstate.pp_group is not None:  # only the last stage computed it
-        C.broadcast(loss, pstate.stage_rank(pstate.pp - 1), pstate.pp_group)
-    return float(loss)
-
-
-@torch.no_grad()
-def forward_only(chunks: list[nn.Module], tokens: torch.Tensor, pstate: ParallelState,
-                 stage_shape: tuple[int, int, int], dtype: torch.dtype) -> torch.Tensor | None:
-    """The loss of one micro-batch [b, s+1] on the last stage (None elsewhere).
-
-    ``stage_shape`` and ``dtype`` are the activations' between stages (``RunPlan.stage_shape``,
-    ``RunPlan.compute_dtype``), as in training.
-    """
-    pp, vp = pstate.pp, len(chunks)
-    if pp == 1 and vp == 1:
-        return chunks[0](tokens[:, :-1], tokens[:, 1:])
-    link = StageLink(pstate, stage_shape, dtype)
-    loss, x = None, None
-    for k in range(pp * vp):
-        if k % pp != pstate.pp_rank:
-            continue
-        chunk = chunks[k // pp]
-        if k > 0:
-            x = link.recv_forward().detach()
-        out = chunk(tokens[:, :-1] if chunk.pre_process else x, tokens[:, 1:] if chunk.post_process else None)
-        if chunk.post_process:
-            loss = out
-        else:
-            link.send_forward(out)
-    link.flush()
-    return loss
+from ..pipeline.forward_only import forward_only
+from ..pipeline.runner import reduce_loss
 
 
 def evaluate(chunks: list[nn.Module], batches, eval_iters: int, pstate: ParallelState,
-             stage_shape: tuple[int, int, int], dtype: torch.dtype) -> dict[str, float]:
-    """Mean validation loss and perplexity over ``eval_iters`` global batches."""
+             stage_shape: tuple[int, int, int], dtype: torch.dtype,
+             packing: PackingRule | None = None) -> dict[str, float]:
+    """Mean validation loss and perplexity over ``eval_iters`` global batches.
+
+    ``stage_shape``, ``dtype`` and ``packing`` are the training schedule's (``Schedule``).
+    """
     for chunk in chunks:
         chunk.eval()
     losses = []
     try:
         for _ in range(eval_iters):
-            for tokens in batches.next_step():
-                loss = forward_only(chunks, to_device(tokens, pstate.device), pstate, stage_shape, dtype)
-                if loss is not None:
-                    losses.append(loss.float())
+            micro_batches = [to_device(tokens, pstate.device) for tokens in batches.next_step()]
+            losses += forward_only(chunks, micro_batches, pstate, stage_shape, dtype, packing)
     finally:
         for chunk in chunks:
             chunk.train()

@@ -30,8 +30,8 @@ from ..optimizer.protocol import TrainingOptimizer
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..parallel.timer import DeviceTimer
-from ..pipeline.runner import Schedule
-from .evaluate import evaluate, reduce_loss
+from ..pipeline.runner import Schedule, reduce_loss
+from .evaluate import evaluate
 from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
 from .progress import Progress, summary
@@ -203,7 +203,7 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         """Validation loss and perplexity at this iteration, logged and recorded (also all --skip-train does)."""
         result = evaluate(self.chunks, self.eval_batches(), self.cfg.training.eval_iters, self.pstate,
-                          self.schedule.stage_shape, self.schedule.dtype)
+                          self.schedule.stage_shape, self.schedule.dtype, self.schedule.packing)
         record = {"event": "eval", "iteration": self.iteration, **result}
         self._emit(record, format_eval(record))
         return record

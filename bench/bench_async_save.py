@@ -57,14 +57,14 @@ def _build():
 
 def _run(mode: str, root: str, saves: int, between: int) -> dict:
     from megazero.checkpoint.async_save import AsyncCheckpointer
-    from megazero.checkpoint.save import save_checkpoint
+    from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 
     cfg, plan, pstate, chunks, opt, schedule = _build()
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["seq_length"] + 1), generator=g)
     quiet = lambda *_: None  # noqa: E731
-    saver = AsyncCheckpointer(root, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks, optimizer=opt,
-                              consumed=lambda: 0, keep_last=1, log=quiet) if mode == "async" else None
+    ctx = CheckpointContext(root, cfg, plan, pstate, chunks, opt, keep_last=1, log=quiet)
+    saver = AsyncCheckpointer(ctx) if mode == "async" else None
 
     def step() -> float:
         start = time.perf_counter()
@@ -85,10 +85,9 @@ def _run(mode: str, root: str, saves: int, between: int) -> dict:
             it, done = it + 1, done + 1
         start = time.perf_counter()
         if saver is None:
-            save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg, plan=plan, pstate=pstate,
-                            chunks=chunks, optimizer=opt, keep_last=1, log=quiet)
+            save_checkpoint(ctx, it, 0)
         else:
-            saver(it)
+            saver.save(it, 0)
         blocked.append(time.perf_counter() - start)
     start = time.perf_counter()
     if saver is not None:

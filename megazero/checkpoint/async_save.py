@@ -23,17 +23,15 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
 from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import RunPlan
 from . import save as S
 
 
@@ -105,28 +103,27 @@ def write_snapshot(snap: Snapshot) -> None:
 
 
 class AsyncCheckpointer:
-    """The trainer's ``save`` under --async-save: at most one save in flight per rank.
+    """The run's ``Checkpointer`` under --async-save: at most one save in flight per rank.
 
-    ``__call__`` (every rank, at the same iteration) concludes the previous save, snapshots and starts
+    ``save`` (every rank, at the same iteration) concludes the previous save, snapshots and starts
     the writer; ``poll`` (every rank, every step) concludes a save whose writers are all done;
     ``finish`` (every rank) waits for and concludes it; ``close`` (an error exit) only waits.
     """
 
-    def __init__(self, root: str, *, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
-                 optimizer: ShardedOptimizerState, consumed: Callable[[], int], tp_rng: Any = None,
-                 keep_last: int | None = None, loaded: str | None = None,
-                 log: Callable[[str], None] = print) -> None:
-        self.root, self.cfg, self.plan, self.pstate = root, cfg, plan, pstate
-        self.chunks, self.optimizer, self.consumed, self.tp_rng = chunks, optimizer, consumed, tp_rng
-        self.keep_last, self.loaded, self.log = keep_last, loaded, log
-        self.buffers = HostBuffers(pstate.device)
+    saves = True
+
+    def __init__(self, ctx: S.CheckpointContext) -> None:
+        self.ctx = ctx
+        self.buffers = HostBuffers(ctx.pstate.device)
         self.pending: Snapshot | None = None
 
-    def __call__(self, iteration: int) -> None:
+    def save(self, iteration: int, consumed_samples: int) -> None:
+        """Snapshot this rank's share to host memory and start writing it in the background."""
+        ctx = self.ctx
         self.finish()  # the next save waits for the previous one
-        target = S.start_save(self.root, iteration, self.consumed(), self.optimizer, self.pstate)
-        snap = take_snapshot(target, self.chunks, self.optimizer, self.pstate, self.tp_rng, self.buffers,
-                             gathers=self.plan.zero.shards_parameters)
+        target = S.start_save(ctx.root, iteration, consumed_samples, ctx.optimizer, ctx.pstate)
+        snap = take_snapshot(target, ctx.chunks, ctx.optimizer, ctx.pstate, ctx.tp_rng, self.buffers,
+                             gathers=ctx.plan.zero.shards_parameters)
         snap.paused_s = time.perf_counter() - target.started
         snap.thread = threading.Thread(target=write_snapshot, args=(snap,), daemon=True,
                                        name=f"megazero-async-save-{iteration}")
@@ -137,20 +134,19 @@ class AsyncCheckpointer:
         """Conclude the pending save once every rank's writer is done (all ranks agree in one all-reduce)."""
         if self.pending is None:
             return
-        done = torch.tensor([float(not self.pending.thread.is_alive())], device=self.pstate.device)
-        C.all_reduce(done, self.pstate.world_group, op=dist.ReduceOp.MIN)
+        done = torch.tensor([float(not self.pending.thread.is_alive())], device=self.ctx.pstate.device)
+        C.all_reduce(done, self.ctx.pstate.world_group, op=dist.ReduceOp.MIN)
         if done.item() > 0:
             self.finish()
 
-    def finish(self) -> str | None:
+    def finish(self) -> None:
         """Wait for this rank's writer, vote, publish (rank 0); raises on every rank when any rank failed."""
         snap, self.pending = self.pending, None
         if snap is None:
-            return None
+            return
         snap.thread.join()
-        pieces = C.all_gather_object(snap.piece, self.pstate.world_group)  # the barrier and the vote
-        return S.conclude(snap.target, pieces, snap.error, cfg=self.cfg, plan=self.plan, pstate=self.pstate,
-                          keep_last=self.keep_last, loaded=self.loaded, log=self.log, paused_s=snap.paused_s)
+        pieces = C.all_gather_object(snap.piece, self.ctx.pstate.world_group)  # the barrier and the vote
+        S.conclude(snap.target, pieces, snap.error, self.ctx, paused_s=snap.paused_s)
 
     def close(self) -> None:
         """On an error exit that not every rank may share: let the writer end, publish nothing (a collective
@@ -160,7 +156,11 @@ class AsyncCheckpointer:
         if snap is None:
             return
         snap.thread.join()
-        if self.pstate.rank == 0:
-            self.log(f"megazero: --async-save: the checkpoint of iteration {snap.target.iteration} was not "
-                     f"published (the run stopped on an error before every rank confirmed its write); "
-                     f"{S.describe_latest(self.root)}; the next save removes {snap.target.staging}")
+        if self.ctx.pstate.rank == 0:
+            self.ctx.log(f"megazero: --async-save: the checkpoint of iteration {snap.target.iteration} was not "
+                         f"published (the run stopped on an error before every rank confirmed its write); "
+                         f"{self.latest()}; the next save removes {snap.target.staging}")
+
+    def latest(self) -> str:
+        """What the --save folder's ``latest`` names on disk now."""
+        return S.describe_latest(self.ctx.root)

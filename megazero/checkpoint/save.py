@@ -252,28 +252,39 @@ def start_save(root: str, iteration: int, consumed_samples: int, optimizer: Shar
     return SaveTarget(root, iteration, consumed_samples, stamp, optimizer.state_scalars())
 
 
-def save_checkpoint(root: str, *, iteration: int, consumed_samples: int, cfg: Config, plan: RunPlan,
-                    pstate: ParallelState, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
-                    tp_rng: Any = None, keep_last: int | None = None, loaded: str | None = None,
-                    log: Callable[[str], None] = print) -> str:
+@dataclass(frozen=True)
+class CheckpointContext:
+    """What every save of one run writes and where it publishes: fixed for the run, passed as one value."""
+
+    root: str  # the --save folder
+    cfg: Config
+    plan: RunPlan
+    pstate: ParallelState
+    chunks: list[nn.Module]
+    optimizer: ShardedOptimizerState
+    tp_rng: Any = None  # the dropout streams (``tensor_parallel.random.DropoutRNG``), saved with the generators
+    keep_last: int | None = None  # --keep-last
+    loaded: str | None = None  # the folder this run resumed from, which --keep-last never removes
+    log: Callable[[str], None] = print  # rank 0's line for each published save
+
+
+def save_checkpoint(ctx: CheckpointContext, iteration: int, consumed_samples: int) -> str:
     """Write this rank's shards; rank 0 publishes the checkpoint once all ranks are done.
 
     A failure on any rank (a full disk) reaches every rank through the collectives every rank is
     in anyway, removes the staging folder and raises everywhere (an OSError naming the file).
-    ``loaded``: the folder this run resumed from, which --keep-last never removes.
     """
-    target = start_save(root, iteration, consumed_samples, optimizer, pstate)
-    staging = target.staging
-    named, own = named_parameters(chunks), None
-    copies = optimizer.host_copies(keep=pstate.dp_cp_rank == 0)  # every DP/CP rank takes part (ZeRO 3 gathers)
+    pstate = ctx.pstate
+    target = start_save(ctx.root, iteration, consumed_samples, ctx.optimizer, pstate)
+    named, own = named_parameters(ctx.chunks), None
+    copies = ctx.optimizer.host_copies(keep=pstate.dp_cp_rank == 0)  # every DP/CP rank takes part (ZeRO 3 gathers)
     try:
-        mine = _write_rank(staging, named, copies, optimizer, pstate, tp_rng)
+        mine = _write_rank(target.staging, named, copies, ctx.optimizer, pstate, ctx.tp_rng)
     except Exception as err:  # noqa: BLE001 - reported to every rank in the all-gather below
         own, mine = err, failed_piece(err, target)
     del copies
     pieces = C.all_gather_object(mine, pstate.world_group)  # also the barrier and the vote
-    return conclude(target, pieces, own, cfg=cfg, plan=plan, pstate=pstate, keep_last=keep_last, loaded=loaded,
-                    log=log)
+    return conclude(target, pieces, own, ctx)
 
 
 def failed_piece(err: BaseException, target: SaveTarget) -> dict[str, Any]:
@@ -281,9 +292,8 @@ def failed_piece(err: BaseException, target: SaveTarget) -> dict[str, Any]:
     return {"model": {}, "optim": None, "non_finite": [], "error": _describe(err, target)}
 
 
-def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, *, cfg: Config, plan: RunPlan,
-             pstate: ParallelState, keep_last: int | None, loaded: str | None,
-             log: Callable[[str], None], paused_s: float | None = None) -> str:
+def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, ctx: CheckpointContext,
+             paused_s: float | None = None) -> str:
     """After the vote (every rank's ``pieces``): refuse on every rank, or rank 0 publishes, says so in one
     line (path, size, seconds) and rotates.
 
@@ -291,13 +301,14 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
     ``paused_s``: an --async-save's seconds of blocked training (its snapshot), for that line.
     """
     root, staging, iteration = target.root, target.staging, target.iteration
+    cfg, pstate, keep_last, log = ctx.cfg, ctx.pstate, ctx.keep_last, ctx.log
     _refuse(pieces, target, pstate, own)
     final, outcome = os.path.join(root, storage.iteration_dir(iteration)), None
     if pstate.rank == 0:
         try:
-            meta = {**_metadata(cfg, plan, iteration, target.consumed_samples, target.scalars, pieces),
+            meta = {**_metadata(cfg, ctx.plan, iteration, target.consumed_samples, target.scalars, pieces),
                     "saved_at": int(target.stamp)}
-            spare = _loaded(cfg, root, loaded)
+            spare = _loaded(cfg, root, ctx.loaded)
             storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
             final = storage.publish(root, staging, iteration, keep_last=None)
             log(_saved_line(final, time.perf_counter() - target.started, paused_s))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -104,16 +104,7 @@ def compile_seconds() -> float:
     return sum(sum(metrics.get(k, [])) for k in keys)
 
 
-def report_once(step: Callable[[], Any], num_blocks: int, say: Callable[[str], None]) -> Callable[[], Any]:
-    """``step`` that, after its first call (where the forward and backward graphs compile), says how long
-    compiling took - once, at start-up."""
-    done = [False]
-
-    def first_then_plain() -> Any:
-        out = step()
-        if not done[0]:
-            done[0] = True
-            say(f"megazero: --compile: compiled {num_blocks} block(s) in {compile_seconds():.1f} s")
-        return out
-
-    return first_then_plain
+def compile_report(num_blocks: int, say: Callable[[str], None]) -> Callable[[], None]:
+    """The trainer's first-step callback under --compile: the forward and backward graphs compile during
+    the first step, so after it, say once how long compiling took."""
+    return lambda: say(f"megazero: --compile: compiled {num_blocks} block(s) in {compile_seconds():.1f} s")

@@ -17,14 +17,13 @@ from torch import nn
 
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
-from ..checkpoint.async_save import AsyncCheckpointer
-from ..checkpoint.save import save_checkpoint
+from ..checkpoint.checkpointer import open_checkpointer
 from ..config import Config, ConfigError
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
 from ..model.chunk import blocks_of
-from ..model.compile import apply_compile, report_once
+from ..model.compile import apply_compile, compile_report
 from ..model.documents import packing_rule
 from ..model.recompute import apply_recompute
 from ..model.sdpa import describe_attention
@@ -43,9 +42,9 @@ from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .ownership import own_folders
 from .preflight import check_output_paths
-from .startup_report import LoadTimer, report_start, wandb_line
+from .startup_report import LoadTimer, report_start
 from .trainer import Trainer
-from .wandb_log import WandbLogger
+from .wandb_log import NullWandb, WandbRun, open_wandb
 
 
 def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) -> RunPlan:
@@ -171,37 +170,16 @@ def _resume(found, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: li
     return iteration, consumed
 
 
-def _saver(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-           batches: MicroBatchIterator, rng: DropoutRNG, loaded: str | None = None, owned: ExitStack | None = None):
-    """The trainer's ``save(iteration)``; --async-save: an ``AsyncCheckpointer`` whose writer an error exit
-    waits for (``owned``), publishing nothing."""
-    if not cfg.checkpoint.save or cfg.checkpoint.skip_train:
-        return None
-    if cfg.checkpoint.async_save:
-        saver = AsyncCheckpointer(cfg.checkpoint.save, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks,
-                                  optimizer=optimizer, consumed=lambda: batches.consumed_samples, tp_rng=rng,
-                                  keep_last=cfg.checkpoint.keep_last, loaded=loaded)
-        if owned is not None:
-            owned.callback(saver.close)
-        return saver
-
-    def save(iteration: int) -> None:
-        optimizer.wait_param_gather()
-        save_checkpoint(cfg.checkpoint.save, iteration=iteration, consumed_samples=batches.consumed_samples,
-                        cfg=cfg, plan=plan, pstate=pstate, chunks=chunks, optimizer=optimizer,
-                        tp_rng=rng, keep_last=cfg.checkpoint.keep_last,
-                        loaded=loaded)  # --keep-last never removes the checkpoint this run resumed from
-
-    return save
-
-
-def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState) -> WandbLogger | None:
+def _wandb(cfg: Config, plan: RunPlan, pstate: ParallelState, log: MetricsLog) -> WandbRun | NullWandb:
+    """The wandb run with --wandb-project (its line says where it is written), else one that logs nothing."""
     lg = cfg.logging
     if not lg.wandb_project:
-        return None
-    return WandbLogger(enabled=pstate.is_logging_rank, project=lg.wandb_project, name=lg.wandb_name,
-                       mode=lg.wandb_mode, config={**cfg.to_flat(), "layout": plan.layout_record()},
-                       directory=lg.wandb_dir)
+        return NullWandb()
+    run = open_wandb(enabled=pstate.is_logging_rank, project=lg.wandb_project, name=lg.wandb_name,
+                     mode=lg.wandb_mode, config={**cfg.to_flat(), "layout": plan.layout_record()},
+                     directory=lg.wandb_dir)
+    log.print(run.describe())
+    return run
 
 
 def _evaluates(cfg: Config) -> bool:
@@ -276,13 +254,12 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
         if found:
             say(load_timer.line(found[0]))
         loaded = found[0] if found else None
-        trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded)
+        first_step = [compile_report(sum(len(blocks_of(c)) for c in chunks), say)] if cfg.training.compile else []
+        trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded, first_step)
         if cfg.checkpoint.skip_train:
             say(f"megazero: --skip-train: evaluating {found[0]} at iteration {start} on --eval-iters "
                 f"{cfg.training.eval_iters} batches of the validation split; nothing is trained or saved")
             return [trainer.evaluate()]
-        if cfg.training.compile:  # graphs compile during the first step; say how long that took, once
-            trainer.train_step = report_once(trainer.train_step, sum(len(blocks_of(c)) for c in chunks), say)
         return trainer.train()
 
 
@@ -322,8 +299,9 @@ def _resolve_recompute(cfg: Config, plan: RunPlan, pstate: ParallelState, say: C
 
 def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
              rng: DropoutRNG, data: DataBundle, start: int, consumed: int, owned: ExitStack,
-             loaded: str | None) -> Trainer:
-    """The loop over this run's batches; the metrics file and wandb close with ``owned``."""
+             loaded: str | None, on_first_step: list[Callable[[], None]]) -> Trainer:
+    """The loop over this run's batches; the metrics file, wandb and the checkpointer close with ``owned``
+    (an error exit lets a pending --async-save's writer end and publishes nothing)."""
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
     eval_batches = None
     if data.valid is not None and _evaluates(cfg):
@@ -332,12 +310,12 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     owned.callback(log.close)
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)
-    wandb = _wandb(cfg, plan, pstate)
-    if wandb is not None:
-        owned.callback(wandb.finish)
-        log.print(wandb_line(wandb))
+    wandb = _wandb(cfg, plan, pstate, log)
+    owned.callback(wandb.finish)
+    checkpointer = open_checkpointer(cfg, plan, pstate, chunks, optimizer, rng, loaded)
+    owned.callback(checkpointer.close)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate),
                               packing=packing_rule(cfg.data, data.tokenizer.eos_id))
     return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
-                   start_iteration=start, eval_batches=eval_batches,
-                   save=_saver(cfg, plan, pstate, chunks, optimizer, batches, rng, loaded, owned), wandb=wandb)
+                   start_iteration=start, eval_batches=eval_batches, checkpointer=checkpointer, wandb=wandb,
+                   on_first_step=on_first_step)

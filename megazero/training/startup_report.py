@@ -20,7 +20,6 @@ from ..config import SECTIONS, Config, Placement
 from ..data import DataBundle
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
-from .wandb_log import WandbLogger
 
 CONFIG_FILE = "config.yaml"
 HEADER = "# megazero: the resolved configuration of a run; load it with pretrain_gpt.py --config <this file>\n"
@@ -106,17 +105,6 @@ def offload_line(plan: RunPlan, world_size: int) -> str | None:
             folders = os.path.join(str(placement.offload_path), "rank0") + (f" .. {last}" if last else "")
             parts.append(f"{what} in per-rank files under {folders} (removed when the run ends)")
     return "megazero: offload: " + "; ".join(parts) if parts else None
-
-
-def wandb_line(logger: WandbLogger) -> str:
-    """Where the wandb run is written and, offline, how to upload it (printed by the rank that logs to it)."""
-    run = logger.run
-    if run is None:  # --wandb-mode disabled (or not the logging rank, which prints nothing)
-        return "megazero: wandb: disabled (--wandb-mode disabled); nothing is logged to it"
-    folder = os.path.dirname(run.dir)  # run.dir is the run's files/ folder
-    if run.settings.mode == "offline":
-        return f"megazero: wandb: offline run in {folder}; upload it with: .venv/bin/wandb sync {folder}"
-    return f"megazero: wandb: run {run.url}, local files in {folder}"
 
 
 def report_start(cfg: Config, plan: RunPlan, pstate: ParallelState, data: DataBundle,

@@ -15,13 +15,13 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.save import describe_latest
+from ..checkpoint.checkpointer import Checkpointer, NullCheckpointer
 from ..config import Config
 from ..data.sampler import to_device
 from ..model.flops import flops_per_token
@@ -36,6 +36,9 @@ from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
 from .progress import Progress, summary
 from .step_record import StepRecorder
+from .wandb_log import NullWandb, WandbRun
+
+NO_CHECKPOINTS, NO_WANDB = NullCheckpointer(), NullWandb()  # the defaults: a run that saves and logs nothing
 
 
 class StopSignal:
@@ -105,16 +108,24 @@ class StopSignal:
 
 class AgreedStop(ValueError):
     """An error every rank raises at the same point of the same step (a diverged run), so the way out may
-    still run collectives; one that only some ranks raise must not (``AsyncCheckpointer.close``)."""
+    still run collectives; one that only some ranks raise must not (``Checkpointer.close``)."""
 
 
 class Trainer:
+    """The loop over one run's steps. Its optional parts are objects that may do nothing: ``checkpointer``
+    (``NullCheckpointer``: no --save), ``wandb`` (``NullWandb``), ``on_first_step`` (callbacks run once,
+    after this run's first step: the --compile report)."""
+
     def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: TrainingOptimizer,
                  schedule: Schedule, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
-                 eval_batches: Callable[[], Any] | None = None, save: Callable[[int], None] | None = None, wandb: Any = None) -> None:
+                 eval_batches: Callable[[], Any] | None = None, checkpointer: Checkpointer = NO_CHECKPOINTS,
+                 wandb: WandbRun | NullWandb = NO_WANDB, on_first_step: Sequence[Callable[[], None]] = ()) -> None:
         self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
         self.optimizer, self.schedule, self.batches, self.log = optimizer, schedule, batches, log
-        self.eval_batches, self.save, self.wandb = eval_batches, save, wandb
+        self.eval_batches, self.checkpointer, self.wandb = eval_batches, checkpointer, wandb
+        self.on_first_step = on_first_step
+        # evaluation is decided once: every --eval-interval when the run has a validation split
+        self.eval_interval = cfg.training.eval_interval if eval_batches is not None else 0
         self.lr = LRSchedule(cfg.optimizer, cfg.training.train_iters)
         self.iteration = start_iteration
         self.start = (start_iteration, batches.consumed_samples)  # where this run began, for the summary
@@ -197,8 +208,7 @@ class Trainer:
         if self.pstate.is_logging_rank:
             self.log.record(record)
             self.log.print(line)
-            if self.wandb is not None:
-                self.wandb.log(record, step=record["iteration"])
+            self.wandb.log(record, step=record["iteration"])
 
     def evaluate(self) -> dict[str, Any]:
         """Validation loss and perplexity at this iteration, logged and recorded (also all --skip-train does)."""
@@ -208,43 +218,32 @@ class Trainer:
         self._emit(record, format_eval(record))
         return record
 
-    def _save_hook(self, name: str) -> None:
-        """``poll`` or ``finish`` of an asynchronous saver (``checkpoint/async_save.py``); a plain one has neither."""
-        hook = getattr(self.save, name, None)
-        if hook is not None:
-            hook()
-
-    def _latest(self) -> str:
-        """What the --save folder's ``latest`` names now, read from disk (empty without --save)."""
-        root = self.cfg.checkpoint.save
-        return describe_latest(root) if self.save is not None and root else ""
-
     def _stop_agreed(self, err: AgreedStop) -> AgreedStop:
         """An error every rank raised at the same point: collectives still work, so a pending --async-save
         is concluded as at the end of training (published if every rank's write finished, else refused on
         every rank, said in one line); the error leaves saying what ``latest`` names on disk."""
         try:
-            self._save_hook("finish")
+            self.checkpointer.finish()
         except Exception as failed:  # noqa: BLE001 - the save's vote: every rank raised (its own or the reported)
             self.log.print(f"megazero: stopping: {failed}")
-        latest = self._latest()
+        latest = self.checkpointer.latest()
         return AgreedStop(f"{err} {latest}." if latest else str(err))
 
     def train(self) -> list[dict[str, Any]]:
         records: list[dict[str, Any]] = []
         stop = StopSignal(self.pstate.rank)
-        if self.save is not None:
+        if self.checkpointer.saves:  # with nothing to save first, a signal keeps its default action
             stop.install()
         try:
             try:  # every orderly stop concludes a pending --async-save before it leaves
                 signalled = self._loop(records, stop)
-                self._save_hook("finish")  # the end of training or a signal's save: wait, vote, publish
+                self.checkpointer.finish()  # the end of training or a signal's save: wait, vote, publish
             except AgreedStop as err:
                 raise self._stop_agreed(err) from err
-            for line in summary(records, self.cfg, self.start, self.progress.elapsed(), self._latest()):
+            for line in summary(records, self.cfg, self.start, self.progress.elapsed(), self.checkpointer.latest()):
                 self.log.print(line)  # before a signal's last line, which says what was saved
             if signalled:
-                latest = self._latest()
+                latest = self.checkpointer.latest()
                 self.log.print(f"megazero: stopped by signal after iteration {self.iteration}; checkpoint saved"
                                + (f", {latest}" if latest else ""))
         finally:
@@ -261,6 +260,9 @@ class Trainer:
             timer = DeviceTimer(self.pstate.device).start()  # CUDA events on CUDA, perf_counter on CPU
             loss, result, lr = self.train_step()
             elapsed = timer.stop().seconds()
+            if self.iteration == self.start[0]:  # this run's first step (graphs compile in it)
+                for callback in self.on_first_step:
+                    callback()
             self.iteration += 1
             nonfinite = self._count(loss, result)
             self.step_record.record(self.iteration, loss, result.grad_norm)
@@ -272,14 +274,13 @@ class Trainer:
             else:
                 self.pstate.ledger.take()
             self._check_skips(loss, result)
-            if self.eval_batches is not None and t.eval_interval and (
-                    self.iteration % t.eval_interval == 0 or last):
+            if self.eval_interval and (self.iteration % self.eval_interval == 0 or last):
                 records.append(self.evaluate())
-            signalled = self.save is not None and stop.agreed(self.pstate)
-            self._save_hook("poll")  # --async-save: publish a background save every rank has written
+            signalled = self.checkpointer.saves and stop.agreed(self.pstate)
+            self.checkpointer.poll()  # --async-save: publish a background save every rank has written
             interval = self.cfg.checkpoint.save_interval
-            if self.save is not None and (last or signalled or (interval and self.iteration % interval == 0)):
-                self.save(self.iteration)
+            if last or signalled or (interval and self.iteration % interval == 0):
+                self.checkpointer.save(self.iteration, self.batches.consumed_samples)
             if signalled:
                 return True
             self.progress.tick(self.iteration)

@@ -25,25 +25,47 @@ def resolve_mode(mode: str | None) -> str:
     return "online" if has_api_key() else "offline"
 
 
-class WandbLogger:
-    """Thin wrapper: no-op unless enabled on this rank and mode is not 'disabled'."""
-
-    def __init__(self, *, enabled: bool, project: str, name: str | None, mode: str | None,
-                 config: dict[str, Any], directory: str | None = None) -> None:
-        self.run = None
-        mode = resolve_mode(mode)
-        if not enabled or mode == "disabled":
-            return
-        import wandb  # imported lazily: start-up cost only for runs that log
-
-        self.run = wandb.init(project=project, name=name, mode=mode, config=config, dir=directory,
-                              settings=wandb.Settings(silent=True, console="off"))
+class NullWandb:
+    """The wandb run of a rank that logs none (no --wandb-project, --wandb-mode disabled, or not the logging
+    rank): every call does nothing, so the trainer logs the same way with or without wandb."""
 
     def log(self, record: dict[str, Any], step: int) -> None:
-        if self.run is not None:
-            self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+        """Nothing is logged."""
 
     def finish(self) -> None:
-        if self.run is not None:
-            self.run.finish()
-            self.run = None
+        """Nothing to close."""
+
+    def describe(self) -> str:
+        return "megazero: wandb: disabled (--wandb-mode disabled); nothing is logged to it"
+
+
+class WandbRun:
+    """A live wandb run: logs a record's numbers at its iteration."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def log(self, record: dict[str, Any], step: int) -> None:
+        self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+    def describe(self) -> str:
+        """Where the run is written and, offline, how to upload it."""
+        folder = os.path.dirname(self.run.dir)  # run.dir is the run's files/ folder
+        if self.run.settings.mode == "offline":
+            return f"megazero: wandb: offline run in {folder}; upload it with: .venv/bin/wandb sync {folder}"
+        return f"megazero: wandb: run {self.run.url}, local files in {folder}"
+
+
+def open_wandb(*, enabled: bool, project: str, name: str | None, mode: str | None, config: dict[str, Any],
+               directory: str | None = None) -> WandbRun | NullWandb:
+    """A wandb run on the rank that logs (``enabled``) unless --wandb-mode is disabled; else a ``NullWandb``."""
+    mode = resolve_mode(mode)
+    if not enabled or mode == "disabled":
+        return NullWandb()
+    import wandb  # imported lazily: start-up cost only for runs that log
+
+    return WandbRun(wandb.init(project=project, name=name, mode=mode, config=config, dir=directory,
+                               settings=wandb.Settings(silent=True, console="off")))

@@ -107,7 +107,7 @@ def _async_save_on_a_full_disk(pstate, root: str) -> tuple[str, int | None, str 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, limits[1]))
     try:
-        saver(9)
+        saver.save(9, 0)
         latest_meanwhile = open(os.path.join(root, "latest")).read().strip()
         while saver.pending is not None:  # every rank polls in step until all writers are done
             saver.poll()

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.load import load_model_weights, load_optimizer_state
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -31,9 +31,8 @@ from tests.helpers.serial_ckpt import build
 def _save(pstate, root: str) -> None:
     cfg, _, chunks, _ = build()
     optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=1)
-    save_checkpoint(root, iteration=3, consumed_samples=24, cfg=cfg,
-                    plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
-                    chunks=chunks, optimizer=optimizer)
+    save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
+                                      optimizer), 3, 24)
 
 
 def _load(pstate, root: str) -> str:

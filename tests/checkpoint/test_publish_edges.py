@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -64,9 +64,8 @@ def _save_with_nan(pstate, root: str, where: str, bad_rank: int) -> str:
                 _, _, views = next(iter(optimizer.state_segments()))
                 views["exp_avg_sq"][0] = float("inf")
     try:
-        save_checkpoint(root, iteration=7, consumed_samples=0, cfg=cfg,
-                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
-                        chunks=chunks, optimizer=optimizer)
+        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
+                                          optimizer), 7, 0)
     except ValueError as err:
         return str(err)
     return "saved"

@@ -36,11 +36,10 @@ def test_keep_last(tmp_path):
     root = str(tmp_path / "ckpt")
     for it in (1, 2, 3):
         cfg, pstate, chunks, optimizer = build()
-        from megazero.checkpoint.save import save_checkpoint
+        from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 
-        save_checkpoint(root, iteration=it, consumed_samples=0, cfg=cfg,
-                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
-                        chunks=chunks, optimizer=optimizer, keep_last=2)
+        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
+                                          optimizer, keep_last=2), it, 0)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "latest"]
 
 

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -33,9 +33,8 @@ def _save_on_a_full_disk(pstate, root: str, full_rank: int) -> tuple[str, int | 
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, limits[1]))
     try:
-        save_checkpoint(root, iteration=9, consumed_samples=0, cfg=cfg,
-                        plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
-                        chunks=chunks, optimizer=optimizer)
+        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
+                                          optimizer), 9, 0)
     except Exception as err:  # noqa: BLE001 - the test checks its type
         return type(err).__name__, getattr(err, "errno", None), str(err)
     finally:

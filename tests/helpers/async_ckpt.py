@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from megazero.checkpoint.async_save import AsyncCheckpointer
+from megazero.checkpoint.save import CheckpointContext
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
@@ -24,17 +25,17 @@ def saver_for(root: str, pstate: ParallelState, zero: int = 0, **kw: Any) -> Asy
     """An ``AsyncCheckpointer`` over ``serial_ckpt``'s tiny model, its optimizer at ``zero`` over ``pstate``."""
     cfg, _, chunks, _ = serial_ckpt.build()
     optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=zero)
-    return AsyncCheckpointer(root, cfg=cfg, plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate,
-                             chunks=chunks, optimizer=optimizer, consumed=lambda: 0, **kw)
+    return AsyncCheckpointer(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate,
+                                               chunks, optimizer, **kw))
 
 
 def _crash_mid_background_write(root: str) -> None:
     saver = saver_for(root, ParallelState.serial(), log=lambda line: print(line, file=sys.stderr))  # stdout: the marks
-    saver(5)
+    saver.save(5, 0)
     saver.finish()
     written = threading.Event()
     serial_ckpt.hang_mid_write(written.set)
-    saver(9)
+    saver.save(9, 0)
     print("SAVE-RETURNED", flush=True)  # the step is free while the writer is still busy
     written.wait(300)
     print("HALF-WRITTEN", flush=True)

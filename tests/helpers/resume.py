@@ -12,7 +12,8 @@ import torch
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.load import load_model_weights, load_optimizer_state
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.checkpointer import NullCheckpointer, SyncCheckpointer
+from megazero.checkpoint.save import CheckpointContext
 from megazero.config import Config
 from megazero.optimizer.zero import build_distributed_optimizer
 from megazero.parallel.state import ParallelState
@@ -59,14 +60,10 @@ def segment(pstate: ParallelState, cfg: Config, *, load: str | None = None, save
         load_optimizer_state(folder, meta, optimizer, chunks, pstate)
         start = int(meta["iteration"])
     batches = Batches(cfg, pstate, start)
-
-    def saver(iteration: int) -> None:
-        save_checkpoint(save, iteration=iteration, consumed_samples=batches.consumed_samples, cfg=cfg, plan=plan,
-                        pstate=pstate, chunks=chunks, optimizer=optimizer)
-
+    ctx = CheckpointContext(save, cfg, plan, pstate, chunks, optimizer) if save else None
     trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(plan), batches, MetricsLog(None, enabled=False),
                       start_iteration=start, eval_batches=lambda: Batches(cfg, pstate, 100),
-                      save=saver if save else None)
+                      checkpointer=SyncCheckpointer(ctx) if ctx else NullCheckpointer())
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
     with full_parameters(optimizer):

@@ -13,7 +13,7 @@ import torch
 
 from megazero.checkpoint import load as ckpt_load
 from megazero.checkpoint import storage
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.config import Config
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
@@ -34,9 +34,8 @@ def build(arch: str = "gpt2", hidden: int = 32):
 
 def save(root: str, iteration: int) -> str:
     cfg, pstate, chunks, optimizer = build()
-    return save_checkpoint(root, iteration=iteration, consumed_samples=8 * iteration, cfg=cfg,
-                           plan=RunPlan.resolve(cfg, pstate.layout.world_size), pstate=pstate, chunks=chunks,
-                           optimizer=optimizer)
+    ctx = CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks, optimizer)
+    return save_checkpoint(ctx, iteration, 8 * iteration)
 
 
 def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:

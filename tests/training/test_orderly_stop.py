@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.save import save_checkpoint
+from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.run_plan import RunPlan
 from tests.helpers.async_ckpt import saver_for
 from tests.helpers.launch import ROOT, _free_port, launch
@@ -159,11 +159,11 @@ def test_unpublished_async_save_says_what_latest_names(tmp_path):
 
     root, said = str(tmp_path / "ckpt"), []
     saver = saver_for(root, ParallelState.serial(), log=said.append)
-    saver(3)
+    saver.save(3, 0)
     saver.close()
-    saver(5)
+    saver.save(5, 0)
     saver.finish()
-    saver(9)
+    saver.save(9, 0)
     saver.close()
     assert (f"{root} holds no published checkpoint yet (no 'latest'); the next save removes "
             f"{root}/iter_0000003.tmp-") in said[0], said
@@ -180,12 +180,11 @@ def test_refused_save_without_a_checkpoint_says_there_is_none(tmp_path):
     with torch.no_grad():
         next(chunks[0].parameters())[0] = float("nan")
     plan = RunPlan.resolve(cfg, 1)
+    ctx = CheckpointContext(root, cfg, plan, pstate, chunks, optimizer)
     with pytest.raises(ValueError) as err:
-        save_checkpoint(root, iteration=2, consumed_samples=0, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks,
-                        optimizer=optimizer)
+        save_checkpoint(ctx, 2, 0)
     assert f"{root} holds no published checkpoint yet (no 'latest'); start again" in str(err.value), err.value
     save(root, 1)
     with pytest.raises(ValueError) as err:
-        save_checkpoint(root, iteration=2, consumed_samples=0, cfg=cfg, plan=plan, pstate=pstate, chunks=chunks,
-                        optimizer=optimizer)
+        save_checkpoint(ctx, 2, 0)
     assert f"'latest' in {root} names iter_0000001; resume from it" in str(err.value), err.value

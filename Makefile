@@ -32,9 +32,9 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	OMP_NUM_THREADS=1 $(PY) bench/run.py
+	OMP_NUM_THREADS=1 $(PY) -m bench.run
 
-# The CUDA-marked tests (tests/cuda) and bench/gpu_mfu.py, run by the first of the venv's python and python3
+# The CUDA-marked tests (tests/cuda) and bench.gpu_mfu, run by the first of the venv's python and python3
 # whose torch sees a GPU (a GPU machine's own torch is often the system one). Without one it says so and
 # exits 0. docs/gpu.md says what it checks.
 CUDA_PROBE := import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)
@@ -48,7 +48,7 @@ gpu-check:
 		exit 0; \
 	fi; \
 	echo "gpu-check: $$py, $$($$py -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0))')"; \
-	PYTHONPATH=. $$py -m pytest tests/cuda -m cuda -v -rs && PYTHONPATH=. $$py bench/gpu_mfu.py
+	PYTHONPATH=. $$py -m pytest tests/cuda -m cuda -v -rs && $$py -m bench.gpu_mfu
 
 clean:
 	rm -rf $(VENV) runs

@@ -16,23 +16,21 @@ The step times while a background write runs are reported too (on a 2-core machi
 competes with the step for the cores). Nothing here is asserted by the tests; results:
 bench/RESULTS_speed.md, "## Async checkpoint save".
 
-    python bench/bench_async_save.py [--dir /path/on/the/disk/to/test] [--saves 3] [--steps-between 4]
+    .venv/bin/python -m bench.bench_async_save [--dir /path/on/the/disk/to/test] [--saves 3] [--steps-between 4]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
+from bench.results import results_header
 
 MODEL = dict(arch="gpt2", num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=64, vocab_size=8192)
 BATCH = 1  # samples per step (one micro-batch): short steps, so saves are a large share of the run
@@ -45,14 +43,15 @@ def _build():
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.run import build_model_chunks, build_optimizer
+    from megazero.training.parallelize import parallelize
+    from megazero.training.run import build_model_chunks
 
     cfg = Config.from_flat({**MODEL, "micro_batch_size": BATCH, "global_batch_size": BATCH, "device": "cpu",
                             "lr": 1e-4, "lr_decay_style": "constant", "seed": 1234})
     plan, pstate = RunPlan.resolve(cfg, 1), ParallelState.serial("cpu")
     seed_everything(1234, 0)
     chunks = build_model_chunks(cfg, plan, pstate)
-    return cfg, plan, pstate, chunks, build_optimizer(cfg, plan, chunks, pstate), build_schedule(plan)
+    return cfg, plan, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, build_schedule(plan)
 
 
 def _run(mode: str, root: str, saves: int, between: int) -> dict:
@@ -117,8 +116,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, dir {base}, "
-          f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} (other work competes with both modes)")
+    print(f"\n{results_header('bench.bench_async_save')}\n\ndir {base} (other work competes with both modes)")
     print("| mode | checkpoint | blocked per save (median) | blocked per save (each) | end-of-run wait | "
           "step idle | step while writing |\n|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,6 +1,6 @@
 """Eager vs --compile (each transformer block compiled) through pretrain_gpt.py on this machine.
 
-    python bench/bench_compile.py [--seq 256] [--iters 6] [--out bench/RESULTS_speed.md]
+    .venv/bin/python -m bench.bench_compile [--seq 256] [--iters 6] [--out bench/RESULTS_speed.md]
 
 Models: ``configs/gpt2-small.yaml`` (bf16, as the preset says) and a llama of the same shape
 (``--arch llama --num-query-groups 4``: RoPE, RMSNorm, SwiGLU, GQA), on the built-in corpus,
@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.harness import ROOT
+from bench.results import results_header
 
 MODELS = {"gpt2-small": ["--config", "configs/gpt2-small.yaml"],
           "llama (gpt2-small shape, GQA 4)": ["--config", "configs/gpt2-small.yaml", "--arch", "llama",
@@ -60,10 +59,9 @@ def run(model: list[str], nproc: int, layout: list[str], compiled: bool, seq: in
 
 
 def table(results: dict[tuple[str, str], dict[bool, dict]], seq: int) -> str:
-    load = os.getloadavg()[0]
-    lines = [f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-             f"torch {_torch_version()}, bf16, seq {seq}, 2 samples per step, 1 thread per rank, load average {load:.1f} at the end",
-             "", "| model | layout | eager tokens/s median (best) | --compile tokens/s median (best) | speed-up "
+    lines = [results_header("bench.bench_compile"), "",
+             f"bf16, seq {seq}, 2 samples per step, 1 thread per rank; load taken at the end", "",
+             "| model | layout | eager tokens/s median (best) | --compile tokens/s median (best) | speed-up "
              "median (best) | compile time | final loss eager / compiled |", "|---|---|---|---|---|---|---|"]
     for (model, layout), r in results.items():
         e, c = r[False], r[True]
@@ -72,11 +70,6 @@ def table(results: dict[tuple[str, str], dict[bool, dict]], seq: int) -> str:
                      f"({c['best'] / e['best']:.2f}x) | {c['compile_s']:.0f} s | "
                      f"{e['loss']:.4f} / {c['loss']:.4f} |")
     return "\n".join(lines)
-
-
-def _torch_version() -> str:
-    import torch
-    return torch.__version__
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Context parallelism on this machine: a long sequence at cp 1 and cp 2 through pretrain_gpt.py.
 
-    python bench/bench_cp.py [--seq 8192] [--iters 6] [--out bench/RESULTS_cp.md]
-    python bench/bench_cp.py --memory [--seq 16384]     # peak RSS per rank: one rank against cp 4
+    .venv/bin/python -m bench.bench_cp [--seq 8192] [--iters 6] [--out bench/RESULTS_cp.md]
+    .venv/bin/python -m bench.bench_cp --memory [--seq 16384]     # peak RSS per rank: one rank against cp 4
 
 One process per rank, one thread each (OMP_NUM_THREADS=1), the built-in corpus, a small gpt2
 (2 layers, hidden 256, 4 heads of 64) at ``--seq`` tokens per sample, one sample per step, so
@@ -20,14 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from bench.harness import ROOT
+from bench.results import results_header
 
 ROWS = (("1 rank", 1, []), ("cp 2, p2p ring", 2, ["--cp", "2"]),
         ("cp 2, a2a (Ulysses)", 2, ["--cp", "2", "--cp-comm-type", "a2a"]))
@@ -61,9 +60,8 @@ def summarise(records: list[dict]) -> dict:
 
 def table(results: dict[str, dict], seq: int) -> str:
     base = results[ROWS[0][0]]["step_ms"]
-    lines = [f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 1 thread per rank, "
-             f"{os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
-             f"{time.strftime('%Y-%m-%d')}", "",
+    lines = [results_header("bench.bench_cp"), "",
+             f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 1 thread per rank", "",
              "| layout | step ms (median) | speed-up vs 1 rank | blocked on CP exchange (rank 0) |",
              "|---|---|---|---|"]
     for name, r in results.items():
@@ -73,8 +71,9 @@ def table(results: dict[str, dict], seq: int) -> str:
 
 
 def memory_table(seq: int) -> str:
-    lines = [f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 2 iterations, "
-             f"{time.strftime('%Y-%m-%d')}", "", "| layout | peak RSS of the largest rank |", "|---|---|"]
+    lines = [results_header("bench.bench_cp --memory"), "",
+             f"gpt2, 2 layers, hidden 256, 4 heads, seq {seq}, 1 sample per step, 2 iterations", "",
+             "| layout | peak RSS of the largest rank |", "|---|---|"]
     for name, nproc, flags in (("1 rank", 1, []), ("cp 4, p2p ring", 4, ["--cp", "4"])):
         _, peak = run_row(nproc, flags, seq, 2)
         lines.append(f"| {name} | {peak / 2**30:.2f} GiB |")

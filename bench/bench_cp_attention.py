@@ -15,9 +15,9 @@ and over ranks max/min of compute (the balance) and blocked / compute (the excha
 With more ranks than cores the ranks share cores, which inflates every figure alike; the machine's
 core count is printed with the table. Nothing here is asserted by the test suite.
 
-    python bench/bench_cp_attention.py                       # cp 4, 8K tokens, balanced and contiguous
-    python bench/bench_cp_attention.py --cp 2 --seq 4096
-    python bench/bench_cp_attention.py --one-process         # each rank's blocks timed in turn, no world
+    .venv/bin/python -m bench.bench_cp_attention                       # cp 4, 8K tokens, balanced and contiguous
+    .venv/bin/python -m bench.bench_cp_attention --cp 2 --seq 4096
+    .venv/bin/python -m bench.bench_cp_attention --one-process         # each rank's blocks timed in turn, no world
 
 ``--one-process`` times, for each CP rank in turn, exactly the blocks that rank computes (forward and
 backward, the same kernels, merges left out) in one process on one thread: the per-rank attention
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -38,9 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from bench.results import results_header
 
 WARMUP = 1
 
@@ -132,8 +129,9 @@ def one_process_seconds(args: argparse.Namespace, balanced: bool) -> list[float]
 
 
 def one_process_table(args: argparse.Namespace) -> str:
-    lines = [f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}: each rank's "
-             f"blocks (forward + backward) timed in turn in one process, 1 thread, {time.strftime('%Y-%m-%d')}",
+    lines = [results_header("bench.bench_cp_attention --one-process"), "",
+             f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}: each rank's "
+             f"blocks (forward + backward) timed in turn in one process, 1 thread",
              "", "| split | per-rank attention ms | max/min | max/mean |", "|---|---|---|---|"]
     for name, balanced in (("balanced", True), ("contiguous", False)):
         sec = one_process_seconds(args, balanced)
@@ -143,8 +141,9 @@ def one_process_table(args: argparse.Namespace) -> str:
 
 
 def table(args: argparse.Namespace, rows: dict, serial: float) -> str:
-    lines = [f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}, "
-             f"1 thread/rank on {os.cpu_count()} cores; one-rank causal SDPA fwd+bwd {serial * 1e3:.0f} ms", "",
+    lines = [results_header("bench.bench_cp_attention"), "",
+             f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}, "
+             f"1 thread/rank; one-rank causal SDPA fwd+bwd {serial * 1e3:.0f} ms", "",
              "| split | per-rank compute ms | per-rank blocked ms | compute max/min | blocked / compute |",
              "|---|---|---|---|---|"]
     for name, ranks in rows.items():

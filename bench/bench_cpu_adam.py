@@ -16,8 +16,8 @@ row inherits another's allocator or thread pool:
 recorded around each row, since other jobs on a shared machine slow every row. Nothing here is
 asserted by the test suite; results: bench/RESULTS_cpu_adam.md.
 
-    python bench/bench_cpu_adam.py                  # every row at 1 and 2 threads
-    python bench/bench_cpu_adam.py --rows megazero --threads 1
+    .venv/bin/python -m bench.bench_cpu_adam                  # every row at 1 and 2 threads
+    .venv/bin/python -m bench.bench_cpu_adam --rows megazero --threads 1
 """
 from __future__ import annotations
 
@@ -29,9 +29,8 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from bench.harness import ROOT
+from bench.results import results_header
 
 NUMEL = 64 * 2 ** 20
 WARMUP, REPEATS = 2, 7
@@ -50,6 +49,7 @@ def state():
 
 def megazero_step():
     import torch
+
     from megazero.optimizer.adam import AdamHyper, adamw_shard_step
 
     param, grad = state()
@@ -110,7 +110,7 @@ def run_row(row: str, threads: int) -> dict:
     """One (row, threads) in a fresh process; a failed row returns its error (the last lines of stderr)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     load_before = os.getloadavg()[0]
-    out = subprocess.run([sys.executable, __file__, "--worker", row, "--threads", str(threads)],
+    out = subprocess.run([sys.executable, "-m", "bench.bench_cpu_adam", "--worker", row, "--threads", str(threads)],
                          capture_output=True, text=True, env=env, cwd=ROOT)
     load = {"load_before": load_before, "load_after": os.getloadavg()[0]}
     for line in out.stdout.splitlines():
@@ -150,7 +150,7 @@ def main() -> None:
         for row in args.rows:
             results.append(run_row(row, threads))
             print(json.dumps(results[-1]), flush=True)
-    print(table(results))
+    print(results_header("bench.bench_cpu_adam") + "\n\n" + table(results))
 
 
 if __name__ == "__main__":

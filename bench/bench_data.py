@@ -1,6 +1,6 @@
 """Data pipeline throughput on the embedded default corpus (not run in CI).
 
-    python bench/bench_data.py
+    .venv/bin/python -m bench.bench_data
 
 Prints preprocessing tokens/s (HF ``datasets`` path with 1 and 2 workers,
 and the in-process path the corpus builder uses) and the time to fetch one
@@ -12,16 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
-
-from megazero.data import MicroBatchIterator, build_data, default_corpus  # noqa: E402
-from megazero.data.corpus import corpus_documents  # noqa: E402
-from megazero.data.preprocess import preprocess_files, tokenize_documents, write_documents  # noqa: E402
-from megazero.data.tokenizer import Tokenizer  # noqa: E402
+from bench.results import results_header
+from megazero.data import MicroBatchIterator, build_data, default_corpus
+from megazero.data.corpus import corpus_documents
+from megazero.data.preprocess import preprocess_files, tokenize_documents, write_documents
+from megazero.data.tokenizer import Tokenizer
 
 
 def bench_preprocess(folder: str, tokenizer_model: str) -> list[tuple[str, float, int]]:
@@ -55,6 +53,7 @@ def bench_step(steps: int = 50) -> float:
 
 
 def main() -> None:
+    print(results_header("bench.bench_data") + "\n")
     start = time.perf_counter()
     corpus = default_corpus()
     print(f"default corpus ready in {time.perf_counter() - start:.2f} s")

@@ -1,6 +1,7 @@
 """Peak memory and time of the output head + loss, forward and backward: plain against chunked.
 
-    python bench/bench_fused_ce.py [--tokens 8192] [--vocab 32000] [--hidden 256] [--chunks 1024 4096] [--repeats 3]
+    .venv/bin/python -m bench.bench_fused_ce [--tokens 8192] [--vocab 32000] [--hidden 256] \\
+        [--chunks 1024 4096] [--repeats 3]
 
 Plain: ``column_parallel_linear`` then ``vocab_parallel_cross_entropy(...).mean()``, today's path,
 which holds the fp32 logits [tokens, V] (as the softmax saved for backward). Chunked:
@@ -14,21 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
-from megazero.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy  # noqa: E402
-from megazero.tensor_parallel.layers import column_parallel_linear  # noqa: E402
-from tests.helpers.peak_memory import peak_live_bytes  # noqa: E402
+from bench.results import results_header
+from megazero.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megazero.tensor_parallel.fused_cross_entropy import fused_linear_cross_entropy
+from megazero.tensor_parallel.layers import column_parallel_linear
+from tests.helpers.peak_memory import peak_live_bytes
 
 MB = 1e6
 
@@ -76,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     logits = a.tokens * a.vocab * 4
     rows = [measure(a.tokens, a.vocab, a.hidden, c, a.repeats) for c in [0, *a.chunks]]
     plain = rows[0]
+    print(results_header("bench.bench_fused_ce") + "\n")
     print(f"{a.tokens} tokens x {a.vocab} vocab, hidden {a.hidden}, fp32, tp 1, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"load {os.getloadavg()[0]:.1f}; fp32 logits {logits / MB:.0f} MB")
+          f"threads; fp32 logits {logits / MB:.0f} MB")
     print("| path | peak MB | saved vs plain MB | saved / fp32 logits | fwd+bwd s (median) | loss |")
     print("|---|---|---|---|---|---|")
     for r in rows:

@@ -1,14 +1,17 @@
 """Page faults per training step with glibc's defaults and with ``keep_freed_host_memory()``.
 
-`python bench/bench_host_memory.py` runs 10 serial steps of a 2-layer GPT in a fresh process
+`.venv/bin/python -m bench.bench_host_memory` runs 10 serial steps of a 2-layer GPT in a fresh process
 per mode and prints the minor page faults each took. A count depends on the machine and its
 load, so it is measured here and never asserted in the test suite (which checks only the
 mechanism: ``tests/training/test_host_memory.py``).
 """
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+
+from bench.results import results_header
 
 SCRIPT = """
 import resource, sys, time, torch
@@ -40,6 +43,8 @@ def measure(mode: str) -> tuple[int, float]:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    print(results_header("bench.bench_host_memory") + "\n")
     for mode in ("default", "tuned"):
         faults, seconds = measure(mode)
         print(f"{mode:8s} {faults / 10:10.0f} page faults/step  {1000 * seconds:8.1f} ms/step")

@@ -24,8 +24,8 @@ DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu`` (DS_ACCELERATOR=cpu, i
 weights; if it cannot run, its row records the error. Nothing here is asserted by the
 test suite (numbers depend on the machine and its load); results: bench/RESULTS_offload.md.
 
-    python bench/bench_offload.py                 # all rows, prints a markdown table + JSON lines
-    python bench/bench_offload.py --rows disk     # one row
+    .venv/bin/python -m bench.bench_offload                 # all rows, prints a markdown table + JSON lines
+    .venv/bin/python -m bench.bench_offload --rows disk     # one row
 """
 from __future__ import annotations
 
@@ -39,9 +39,8 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+from bench.harness import ROOT
+from bench.results import results_header
 
 MODEL = dict(arch="llama", num_layers=10, hidden_size=1024, num_attention_heads=16, num_query_groups=16,
              ffn_hidden_size=2816, seq_length=64, vocab_size=4096)
@@ -101,6 +100,7 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     """One megazero run on one rank: ``TIERS[row]`` gives the ZeRO stage and where the state lives;
     ``bucket_size`` None keeps the trainer's default."""
     import torch
+
     from megazero.config import Config
     from megazero.optimizer.accounting import measured_state_bytes
     from megazero.parallel.state import ParallelState
@@ -148,6 +148,7 @@ def deepspeed_row(_: str) -> dict:
         os.environ.setdefault(key, value)
     import deepspeed
     import torch.distributed as dist
+
     from megazero.config import ModelConfig
     from megazero.model.gpt import GPTModel
     from megazero.model.transformer import TPContext
@@ -200,7 +201,7 @@ def run_row(row: str, threads: int, model: str = "bench", bucket_size: int | Non
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "DS_ACCELERATOR": "cpu"}
     offload_dir = tempfile.mkdtemp(prefix="bench_offload_", dir=os.environ.get("BENCH_OFFLOAD_DIR", "/tmp"))
     timer = ["/usr/bin/time", "-v"] if os.path.exists("/usr/bin/time") else []
-    cmd = [*timer, sys.executable, __file__, "--worker", row, "--offload-dir", offload_dir,
+    cmd = [*timer, sys.executable, "-m", "bench.bench_offload", "--worker", row, "--offload-dir", offload_dir,
            "--threads", str(threads), "--model", model, "--bucket-size", str(bucket_size or 0)]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -276,7 +277,7 @@ def main() -> None:
     for row in args.rows:
         results.append(run_row(row, args.threads, args.model, bucket or None))
         print(json.dumps(results[-1]), flush=True)
-    print(table(results))
+    print(results_header("bench.bench_offload") + "\n\n" + table(results))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Measured pipeline bubble of 1F1B and interleaved 1F1B beside the theory (not run in CI).
 
-    python bench/bench_pipeline.py [--pp 4 2] [--steps 4] [--out bench/RESULTS_pipeline.md]
+    .venv/bin/python -m bench.bench_pipeline [--pp 4 2] [--steps 4] [--out bench/RESULTS_pipeline.md]
 
 For pp = 4 (and pp = 2, which fits a 2-core laptop) and m = 4, 8, 16 micro-batches, trains a balanced model (8 layers,
 small vocabulary so the head costs little) on gloo/CPU with ``--timeline``
@@ -17,28 +17,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig,  # noqa: E402
-                             ParallelConfig, TrainingConfig)
-from megazero.optimizer.zero import DistributedOptimizer  # noqa: E402
-from megazero.pipeline.schedules import build_schedule, schedule_timeline  # noqa: E402
-from megazero.pipeline.timeline import bubble_of_step  # noqa: E402
-from megazero.run_plan import RunPlan  # noqa: E402
-from megazero.training.metrics import MetricsLog  # noqa: E402
-from megazero.training.run import build_model_chunks  # noqa: E402
-from megazero.training.trainer import Trainer  # noqa: E402
-from tests.helpers.dist import spawn  # noqa: E402
+from bench.harness import ROOT
+from bench.results import results_header
+from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.optimizer.zero import DistributedOptimizer
+from megazero.pipeline.schedules import build_schedule, schedule_timeline
+from megazero.pipeline.timeline import bubble_of_step
+from megazero.run_plan import RunPlan
+from megazero.training.metrics import MetricsLog
+from megazero.training.run import build_model_chunks
+from megazero.training.trainer import Trainer
+from tests.helpers.dist import spawn
 
 WARMUP_STEPS = 1
 MODEL = dict(arch="gpt2", num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256)
@@ -103,9 +98,8 @@ def main() -> None:
                 rows.append(f"| {p} | {name} | {vp} | {m} | {theory:.3f} | {ratio:.3f} | {fraction:.3f} |")
                 print(rows[-1], flush=True)
     cores = os.cpu_count() or 1
-    header = (f"# Pipeline bubble (bench/bench_pipeline.py)\n\n"
-              f"gloo on CPU, {cores} cores ({platform.processor() or platform.machine()}), "
-              f"torch {torch.__version__}, one thread per rank; model {MODEL}, micro-batch 1, "
+    header = (f"# Pipeline bubble (bench/bench_pipeline.py)\n\n{results_header('bench.bench_pipeline')}\n\n"
+              f"gloo on CPU, one thread per rank; model {MODEL}, micro-batch 1, "
               f"{WARMUP_STEPS} untimed + {args.steps} timed steps, median over steps. "
               f"idle/busy is the paper's measure (theory column); idle/window the share of the step idle.\n\n")
     if any(p > cores for p in args.pp):

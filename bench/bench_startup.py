@@ -15,7 +15,7 @@ Each (method, tp) pair runs in a fresh subprocess, one at a time, on one thread 
 CPU run); the child reports the build's wall time and CPU time (steadier than wall time on a
 shared machine), its peak RSS (``ru_maxrss``) and its RSS before the build (imports, fake groups).
 
-Usage: ``python bench/bench_startup.py [--num-layers 16] [--runs old:8,old:4,new:8,new:4,new:2]``.
+Usage: ``.venv/bin/python -m bench.bench_startup [--num-layers 16] [--runs old:8,old:4,new:8,new:4,new:2]``.
 The old method at tp 8 peaks near 6 GB (a full 128256 x 8192 fp32 embedding is 4.2 GB).
 """
 from __future__ import annotations
@@ -29,6 +29,9 @@ import time
 import zlib
 
 import torch
+
+from bench.harness import ROOT
+from bench.results import results_header
 
 MODEL = dict(arch="llama", hidden_size=8192, num_attention_heads=64, num_query_groups=8, ffn_hidden_size=28672,
              vocab_size=128256, untie_embeddings_and_output_weights=True, seq_length=4096, bf16=True)
@@ -106,9 +109,10 @@ def child(method: str, tp: int, tp_rank: int, pp_rank: int, num_layers: int) -> 
 
 
 def run_child(method: str, tp: int, num_layers: int, tp_rank: int, pp_rank: int, threads: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", method, "--tp", str(tp), "--num-layers", str(num_layers),
+    cmd = [sys.executable, "-m", "bench.bench_startup", "--child", method, "--tp", str(tp),
+           "--num-layers", str(num_layers),
            "--tp-rank", str(tp_rank), "--pp-rank", str(pp_rank), "--threads", str(threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -127,6 +131,7 @@ def main() -> None:
         print(json.dumps(child(args.child, args.tp, args.tp_rank, args.pp_rank, args.num_layers)))
         return
     gb = 2**30
+    print(results_header("bench.bench_startup") + "\n")
     print("| method | tp | blocks | own params | own bytes | build s | build CPU s | peak RSS | RSS before build |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in args.runs.split(","):

@@ -1,6 +1,6 @@
 """megazero ZeRO 0/1/2 against torch DDP and DDP + ZeroRedundancyOptimizer (gloo, dp = 2; not run in CI).
 
-    python bench/bench_zero.py [--repeats 3] [--out bench/RESULTS_zero.md]
+    .venv/bin/python -m bench.bench_zero [--repeats 3] [--out bench/RESULTS_zero.md]
 
 Uses the shared benchmark workload and launcher (``bench/common.py``,
 ``bench/run.py``): every entry trains the same seeded GPT-2 on the same
@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
-import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench import common  # noqa: E402
-from bench.run import MZ, Entry, compare, groups, launch, mib, run_group  # noqa: E402
+from bench import common
+from bench.harness import MZ, ROOT, Entry, launch, mib, run_group
+from bench.results import results_header
+from bench.run import compare, groups
 
 PEERS = ("torch DDP", "DDP + ZeroRedundancyOptimizer")
 MEGAZERO = ("megazero zero 0", "megazero zero 1", "megazero zero 2")
@@ -67,10 +62,9 @@ def _ratio(r: dict, peer: dict) -> str:
 def write(path: str, results: dict[str, dict], checks: list[dict], repeats: int, seconds: float) -> str:
     ddp = results.get("torch DDP", {})
     lines = ["# ZeRO 0/1/2 against PyTorch's data-parallel peers (bench/bench_zero.py)", "",
-             f"gloo on CPU, dp = 2, {os.cpu_count()} cores ({platform.machine()}), torch {torch.__version__}, "
-             f"one thread per rank; model {common.MODEL}, global batch {common.GLOBAL_BATCH}, "
-             f"{repeats} repeats round-robin (median tokens/s), {seconds:.0f} s in all, "
-             f"load average {os.getloadavg()[0]:.1f} at the end.", "",
+             results_header("bench.bench_zero"), "",
+             f"gloo on CPU, dp = 2, one thread per rank; model {common.MODEL}, global batch {common.GLOBAL_BATCH}, "
+             f"{repeats} repeats round-robin (median tokens/s), {seconds:.0f} s in all, load taken at the end.", "",
              "| entry | tokens/s | / torch DDP | / DDP+ZeRO-Opt | model state/rank MiB | comm/step/rank MiB "
              "| grad+param bytes/step/rank MiB | loss rel err vs serial |", "|" + "---|" * 8]
     zro = results.get("DDP + ZeroRedundancyOptimizer", {})

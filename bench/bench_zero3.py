@@ -1,6 +1,6 @@
 """megazero ZeRO 3 against FSDP2 ``fully_shard`` and DeepSpeed ZeRO-3 (gloo, dp = 2; not run in CI).
 
-    python bench/bench_zero3.py [--repeats 3] [--out bench/RESULTS_zero3.md]
+    .venv/bin/python -m bench.bench_zero3 [--repeats 3] [--out bench/RESULTS_zero3.md]
 
 The shared benchmark workload and launcher (``bench/common.py``, ``bench/run.py``):
 every entry trains the same seeded GPT-2 on the same synthetic global batch with
@@ -19,21 +19,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import subprocess
 import sys
 import time
 
-import torch
+from bench import common
+from bench.harness import DP_PEERS, DS, MZ, ROOT, Entry, launch, mib, pair_checks, run_group
+from bench.results import results_header
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench import common  # noqa: E402
-from bench.run import DP_PEERS, DS, MZ, Entry, launch, mib, pair_checks, run_group  # noqa: E402
-
-DS_SCRIPT = "bench/peers/deepspeed_zero.py"
+DS_MODULE = "bench.peers.deepspeed_zero"
 MB4 = ", 4 micro-batches"
 
 
@@ -93,7 +87,7 @@ def entries() -> list[Entry]:
     out = []
     for micro in ("", MB4):
         accumulate = ["--micro-batches", "4"] if micro else []
-        ds = Entry(f"DeepSpeed ZeRO-3{micro}", DS_SCRIPT, ["--stage", "3", *accumulate], 2,
+        ds = Entry(f"DeepSpeed ZeRO-3{micro}", DS_MODULE, ["--stage", "3", *accumulate], 2,
                    requires="deepspeed", env=DS)
         peers = []
         for reshard in (True, False):
@@ -152,10 +146,10 @@ def _commit() -> str:
 
 def write(path: str, results: dict[str, dict], checks: list[dict], repeats: int, seconds: float) -> str:
     lines = ["# ZeRO 3 against FSDP2 and DeepSpeed ZeRO-3 (bench/bench_zero3.py)", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} at commit {_commit()} on this machine: gloo on CPU, dp = 2, {os.cpu_count()} "
-             f"cores ({platform.machine()}), torch {torch.__version__}, one thread per rank; model {common.MODEL}, "
+             results_header("bench.bench_zero3"), "",
+             f"At commit {_commit()}: gloo on CPU, dp = 2, one thread per rank; model {common.MODEL}, "
              f"global batch {common.GLOBAL_BATCH}, {repeats} repeats round-robin (median tokens/s), "
-             f"{seconds:.0f} s in all, load average {os.getloadavg()[0]:.1f} at the end.", "",
+             f"{seconds:.0f} s in all, load taken at the end.", "",
              *table(results), "", "megazero against each peer:", *verdict(checks), "", NOTES]
     text = "\n".join(lines)
     with open(path, "w") as fh:

@@ -1,6 +1,6 @@
 """megazero ZeRO 3 against megazero's own ZeRO 2, side by side (gloo, dp = 2; not run in CI).
 
-    python bench/bench_zero3_vs_zero2.py [--repeats 5] [--models small,medium] [--out FILE]
+    .venv/bin/python -m bench.bench_zero3_vs_zero2 [--repeats 5] [--models small,medium] [--out FILE]
 
 ZeRO 3 gathers every unit's parameters before its forward and (resharding) again
 before its backward; ZeRO 2 holds them all and gathers once after the step. What
@@ -20,12 +20,9 @@ import statistics
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-from bench import common  # noqa: E402
-from bench.run import MZ, Entry, launch, loss_error, mib  # noqa: E402
+from bench import common
+from bench.harness import MZ, Entry, launch, loss_error, mib
+from bench.results import results_header
 
 MODELS = {
     "small": dict(common.MODEL),  # gpt2, 4 layers, hidden 256 (~4.5M parameters)
@@ -61,12 +58,12 @@ def worker() -> None:
 def run_model(model: str, repeats: int, extra: list[str], log, before: str | None) -> dict[str, list[dict]]:
     """Round-robin the rows on ``model`` (with ``before``: the ZeRO 3 rows on that copy of the repository
     too); every run's record per row."""
-    me = os.path.relpath(os.path.abspath(__file__), ROOT)
-    entries = [Entry(name, me, ["--worker", "--model", model, *args, "--bucket-size", BUCKET], 2, True)
+    entries = [Entry(name, "bench.bench_zero3_vs_zero2",
+                     ["--worker", "--model", model, *args, "--bucket-size", BUCKET], 2, True)
                for name, args in ROWS.items()]
     if before:
-        old = os.path.join(os.path.abspath(before), "bench", os.path.basename(__file__))
-        entries += [Entry(f"{e.name} (before)", old, e.args, 2, True) for e in entries if "zero 3" in e.name]
+        entries += [Entry(f"{e.name} (before)", e.module, e.args, 2, True, cwd=os.path.abspath(before))
+                    for e in entries if "zero 3" in e.name]
     runs: dict[str, list[dict]] = {e.name: [] for e in entries}
     for r in range(repeats):
         for e in entries:
@@ -112,6 +109,7 @@ def main() -> None:
              "| all-gather MiB/step | reduce-scatter MiB/step | loss rel diff vs zero 2 |", "|" + "---|" * 8]
     for model in args.models.split(","):
         lines += summarize(model, run_model(model, args.repeats, extra, log, args.before))
+    print(results_header("bench.bench_zero3_vs_zero2") + "\n")
     print(f"{args.repeats} repeats round-robin, {time.time() - started:.0f} s, load average "
           f"{load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; models "
           + "; ".join(f"{m}: {MODELS[m]}" for m in args.models.split(",")))

@@ -27,7 +27,6 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-
 # packages whose module-level aliases of torch.distributed functions are re-pointed at the wrappers
 ALIAS_PACKAGES = ("torch.distributed", "megazero", "megatron", "deepspeed", "bench", "tests")
 

@@ -21,10 +21,6 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
 MODEL = dict(arch="gpt2", num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=4096)
 GLOBAL_BATCH = 16
 # Other workloads for the TP rows (--shape; "default" is MODEL above): (model settings, global batch).

@@ -1,9 +1,9 @@
 """Model FLOPs utilisation of a ~1B Llama trained in bf16 on one GPU, through megazero's real training path.
 
-    PYTHONPATH=. python3 bench/gpu_mfu.py                     # configs/llama-1b.yaml, 3 warm-up + 10 timed steps
-    PYTHONPATH=. python3 bench/gpu_mfu.py --config configs/gpt2-xl.yaml --micro-batch-size 8
-    PYTHONPATH=. python3 bench/gpu_mfu.py --ladder            # eager -> ... -> larger micro-batch, one run
-    PYTHONPATH=. python3 bench/gpu_mfu.py --device cpu --config configs/tiny.yaml --vocab-size 8000 \\
+    python3 -m bench.gpu_mfu                     # configs/llama-1b.yaml, 3 warm-up + 10 timed steps
+    python3 -m bench.gpu_mfu --config configs/gpt2-xl.yaml --micro-batch-size 8
+    python3 -m bench.gpu_mfu --ladder            # eager -> ... -> larger micro-batch, one run
+    python3 -m bench.gpu_mfu --device cpu --config configs/tiny.yaml --vocab-size 8000 \\
         --peak-tflops 1 --warmup 1 --iters 2                  # the arithmetic on a CPU, no GPU needed
 
 It runs ``megazero.training.run.run`` (what pretrain_gpt.py runs: the default
@@ -36,22 +36,20 @@ import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from megazero.arguments import parse_config  # noqa: E402
-from megazero.config import Config  # noqa: E402
-from megazero.memory.params import num_parameters  # noqa: E402
-from megazero.memory.recompute_choice import resolve_recompute  # noqa: E402
-from megazero.model.flops import flops_per_token  # noqa: E402
-from megazero.run_plan import RunPlan  # noqa: E402
-from megazero.training.flops import device_peak_tflops  # noqa: E402
-from megazero.training.run import run  # noqa: E402
+from bench.harness import ROOT
+from bench.results import results_header
+from megazero.arguments import parse_config
+from megazero.config import Config
+from megazero.memory.params import num_parameters
+from megazero.memory.recompute_choice import resolve_recompute
+from megazero.model.flops import flops_per_token
+from megazero.run_plan import RunPlan
+from megazero.training.flops import device_peak_tflops
+from megazero.training.run import run
 
 
 @dataclass(frozen=True)
@@ -199,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  else []))[0].model.vocab_size is None:
         print(f"gpu_mfu: {args.config} sets no vocab_size; pass --vocab-size (8000 for the default corpus).")
         return 2
+    print(results_header("bench.gpu_mfu --ladder" if args.ladder else "bench.gpu_mfu"), flush=True)
     if args.ladder:
         ladder(args)
         return 0

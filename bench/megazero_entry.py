@@ -9,13 +9,9 @@ sequence is compared with.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench import common  # noqa: E402
-from bench.comm_count import install  # noqa: E402
+from bench import common
+from bench.comm_count import install
 
 COUNTER = install()
 

@@ -1,7 +1,7 @@
-"""megazero against its peers on one fixed workload: one table, plus JSON.
+"""megazero against its peers on one fixed workload: one table, plus JSON (the CLI; ``harness.py`` launches).
 
-    python bench/run.py [--repeats 5] [--groups dp,tp,pp2,pp4] [--json bench/results.json]
-    python bench/run.py --groups tp --shape llama-gqa     # the TP rows on another workload
+    .venv/bin/python -m bench.run [--repeats 5] [--groups dp,tp,pp2,pp4] [--json bench/results.json]
+    .venv/bin/python -m bench.run --groups tp --shape llama-gqa     # the TP rows on another workload
 
 Each entry is its own world of ranks (OMP_NUM_THREADS=1, gloo). Within a row
 group the entries run round-robin, repeat after repeat (A B C A B C ...), so
@@ -11,39 +11,13 @@ A peer whose package is missing is reported as "not installed".
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import socket
-import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-from bench.common import RESULT_TAG  # noqa: E402
-
-
-@dataclass
-class Entry:
-    name: str
-    script: str
-    args: list[str]
-    nproc: int
-    megazero: bool = False
-    requires: str | None = None  # importable module the peer needs
-    peer_of: list[str] = field(default_factory=list)  # for megazero rows: the peers it is compared with
-    env: dict[str, str] = field(default_factory=dict)
-    same_math: bool = True  # loss sequence must match the serial run
-
-
-MZ = "bench/megazero_entry.py"
-DP_PEERS = "bench/peers/data_parallel.py"
-DS = {"DS_ACCELERATOR": "cpu"}
+from bench.harness import DP_PEERS, DS, MZ, ROOT, Entry, launch, mib, pair_checks, run_group
+from bench.results import results_header
 
 
 def groups() -> dict[str, list[Entry]]:
@@ -58,13 +32,13 @@ def groups() -> dict[str, list[Entry]]:
         Entry("DDP + ZeroRedundancyOptimizer", DP_PEERS, ["--mode", "zero1"], 2),
         Entry("FSDP2 reshard=False", DP_PEERS, ["--mode", "fsdp2"], 2),
         Entry("FSDP2 reshard=True", DP_PEERS, ["--mode", "fsdp2-reshard"], 2),
-        Entry("DeepSpeed ZeRO-1", "bench/peers/deepspeed_zero.py", ["--stage", "1"], 2, requires="deepspeed", env=DS),
-        Entry("DeepSpeed ZeRO-2", "bench/peers/deepspeed_zero.py", ["--stage", "2"], 2, requires="deepspeed", env=DS),
+        Entry("DeepSpeed ZeRO-1", "bench.peers.deepspeed_zero", ["--stage", "1"], 2, requires="deepspeed", env=DS),
+        Entry("DeepSpeed ZeRO-2", "bench.peers.deepspeed_zero", ["--stage", "2"], 2, requires="deepspeed", env=DS),
     ]
     tp = [
         Entry("megazero TP=2", MZ, ["--tp", "2"], 2, True, peer_of=["torch DTensor TP", "megatron-core TP"]),
-        Entry("torch DTensor TP", "bench/peers/tensor_parallel.py", ["--impl", "dtensor"], 2),
-        Entry("megatron-core TP", "bench/peers/tensor_parallel.py", ["--impl", "megatron"], 2,
+        Entry("torch DTensor TP", "bench.peers.tensor_parallel", ["--impl", "dtensor"], 2),
+        Entry("megatron-core TP", "bench.peers.tensor_parallel", ["--impl", "megatron"], 2,
               requires="megatron.core"),
     ]
     out = {"dp": dp, "tp": tp}
@@ -78,120 +52,14 @@ def groups() -> dict[str, list[Entry]]:
             rows.append(Entry(f"megazero {sched} pp={pp}", MZ, ["--pp", str(pp), "--schedule", sched,
                                                                "--micro-batches", "8", *extra], pp, True,
                               peer_of=[peer]))
-            rows.append(Entry(peer, "bench/peers/pipeline.py", ["--schedule", sched, "--pp", str(pp)], pp))
+            rows.append(Entry(peer, "bench.peers.pipeline", ["--schedule", sched, "--pp", str(pp)], pp))
         out[f"pp{pp}"] = rows
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(entry: Entry, extra: list[str], timeout: float = 600) -> dict:
-    """Run ``entry`` as ``nproc`` ranks; rank 0's result record, or {"error": ...}."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(entry.nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(entry.nproc),
-               "LOCAL_WORLD_SIZE": str(entry.nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": ROOT, **entry.env}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, entry.script), *entry.args, *extra],
-                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout))
-    except subprocess.TimeoutExpired:
-        return {"error": "timeout"}
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for line in outs[0][0].splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = "\n".join(err for _, err in outs)[-2000:]
-    return {"error": f"exit codes {[p.returncode for p in procs]}: {tail}"}
-
-
-def installed(entry: Entry) -> bool:
-    if entry.requires is None:
-        return True
-    try:
-        return importlib.util.find_spec(entry.requires) is not None
-    except ModuleNotFoundError:
-        return False
-
-
-def run_group(entries: list[Entry], repeats: int, extra: list[str], log) -> dict[str, dict]:
-    """Round-robin the entries ``repeats`` times; per entry: the runs and their median tokens/s."""
-    runs: dict[str, list[dict]] = {e.name: [] for e in entries}
-    live = [e for e in entries if installed(e)]
-    for r in range(repeats):
-        for e in live:
-            if runs[e.name] and "error" in runs[e.name][-1]:
-                continue
-            res = launch(e, extra)
-            runs[e.name].append(res)
-            log(f"  [{r + 1}/{repeats}] {e.name}: " + (f"{res['tokens_per_s']:.0f} tok/s" if "error" not in res
-                                                     else "ERROR " + res["error"][-600:]))
-    return {e.name: summarize(e, runs[e.name], installed(e)) for e in entries}
-
-
-def summarize(entry: Entry, runs: list[dict], is_installed: bool) -> dict:
-    if not is_installed:
-        return {"status": f"not installed ({entry.requires})"}
-    ok = [r for r in runs if "error" not in r]
-    if not ok:
-        return {"status": "error", "error": runs[-1].get("error", "no run") if runs else "no run"}
-    last = ok[-1]
-    return {
-        "status": "ok", "megazero": entry.megazero, "ranks": entry.nproc, "peer_of": entry.peer_of,
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok),
-        "tokens_per_s_runs": [r["tokens_per_s"] for r in ok],
-        # tokens per CPU-second of the busiest rank: insensitive to other load on a shared machine
-        "tokens_per_cpu_s": statistics.median(r["tokens_per_s"] * r["step_s"] / max(r["cpu_s_per_step"])
-                                              for r in ok),
-        "peak_rss_bytes": max(max(r["peak_rss_bytes"]) for r in ok),
-        "model_state_bytes": max(last["model_state_bytes"]),
-        "comm_bytes_per_step": max(last["comm_bytes_per_step"]),
-        "comm_kinds_rank0": last["comm_kinds_rank0"], "losses": last["losses"],
-        "command": f"{entry.script} {' '.join(entry.args)} (nproc={entry.nproc})",
-    }
 
 
 ZERO_STAGE = {"megazero zero 0": 0, "megazero zero 1": 1, "megazero zero 2": 2, "torch DDP": 0,
               "DDP + ZeroRedundancyOptimizer": 1, "DeepSpeed ZeRO-1": 1, "DeepSpeed ZeRO-2": 2,
               "FSDP2 reshard=False": 3, "FSDP2 reshard=True": 3}
-
-
-def loss_error(losses: list[float], reference: list[float]) -> float:
-    n = min(len(losses), len(reference))
-    if n == 0 or len(losses) != len(reference):
-        return float("inf")
-    return max(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n]))
-
-
-def pair_checks(results: dict[str, dict], reference: list[float],
-                extra: Callable[[str, dict, str, dict], dict]) -> list[dict]:
-    """Per (megazero row, peer): tokens/s ratios plus ``extra``'s checks; per row: loss agreement."""
-    for r in results.values():
-        if r.get("status") == "ok":
-            r["loss_rel_err"] = loss_error(r["losses"], reference)
-    checks = []
-    for name, r in results.items():
-        if r.get("status") != "ok" or not r["megazero"]:
-            continue
-        for peer in r["peer_of"]:
-            p = results.get(peer, {})
-            if p.get("status") != "ok":
-                checks.append({"megazero": name, "peer": peer, "status": p.get("status", "missing")})
-                continue
-            checks.append({"megazero": name, "peer": peer, "ratio": r["tokens_per_s"] / p["tokens_per_s"],
-                           "cpu_ratio": r["tokens_per_cpu_s"] / p["tokens_per_cpu_s"], **extra(name, r, peer, p)})
-    return checks
 
 
 def compare(results: dict[str, dict], reference: list[float]) -> list[dict]:
@@ -215,10 +83,6 @@ def grad_param_bytes(r: dict) -> float:
     if "all_reduce" in kinds and len(kinds) == 1:
         return kinds["all_reduce"]
     return kinds.get("reduce_scatter", 0) + kinds.get("all_gather", 0) + kinds.get("reduce", 0)
-
-
-def mib(x: float) -> str:
-    return f"{x / 2 ** 20:.2f}"
 
 
 def table(results: dict[str, dict], checks: list[dict]) -> str:
@@ -269,12 +133,13 @@ def main() -> None:
         keep = [e for e in all_groups[g] if not args.only or e.name in args.only.split(",")]
         results.update(run_group(keep, args.repeats, extra, log))
     checks = compare(results, serial["losses"])
-    out = {"command": "python bench/run.py " + " ".join(sys.argv[1:]), "date": time.strftime("%Y-%m-%d %H:%M"),
+    header = results_header("bench.run")
+    out = {"command": "python -m bench.run " + " ".join(sys.argv[1:]), "header": header,
            "load_avg": os.getloadavg(), "seconds": time.time() - started, "repeats": args.repeats,
            "serial_losses": serial["losses"], "results": results, "checks": checks}
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1)
-    print(table(results, checks))
+    print(header + "\n\n" + table(results, checks))
     print("\n" + verdict(checks))
 
 

@@ -2,17 +2,18 @@
 
 A command is a logical line (backslash continuations joined) of a ```bash block; in any other
 fenced block (a transcript) a line that starts with ``$ `` or a launcher; and inline code that runs
-a script (``.py``/``.sh``) or a make target. Each one is classified in ``COMMANDS``: ``RUN`` (run
-here in a fresh environment - no venv on PATH, no PYTHONPATH, as a new shell after ``make setup`` -
-and exit 0 asserted) or the reason it is not run here. A command the table does not know, or an
-entry no page holds any more, fails: a new doc command is a decision, not a silent filter. The
-planner's generated blocks (between ``<!-- plan:NAME -->`` markers) are run in-process by
+a script (``.py``/``.sh``), a module (``-m bench.run``) or a make target. Each one is classified in
+``COMMANDS``: ``RUN`` (run here in a fresh environment - no venv on PATH, no PYTHONPATH, as a new
+shell after ``make setup`` - and exit 0 asserted) or the reason it is not run here. A command the
+table does not know, or an entry no page holds any more, fails: a new doc command is a decision,
+not a silent filter. The planner's generated blocks (between ``<!-- plan:NAME -->`` markers) are run in-process by
 tests/memory/test_docs_tables.py, which compares their output too.
 
 Every command names the project's environment itself (``.venv/bin/python``, ``.venv/bin/torchrun``),
 so none needs an activated venv; the GPU check's own ``python3`` is the one stated exception. And
-``--help`` of every entry point - pretrain_gpt.py, everything in tools/, every script a doc command
-runs - exits 0 and prints usage (a ``%`` in a help text once made argparse raise instead).
+``--help`` of every entry point - pretrain_gpt.py, everything in tools/, every script or repository
+module (``-m bench.x``) a doc command runs - exits 0 and prints usage (a ``%`` in a help text once
+made argparse raise instead).
 """
 from __future__ import annotations
 
@@ -121,19 +122,19 @@ COMMANDS: dict[str, str] = {
     "--global-batch-size 1024 --micro-batch-size 1 --recompute full --reduce-every-micro-batch": RUN,
     ".venv/bin/python tools/plan_memory.py --write-docs": "rewrites docs/; tests/memory/test_docs_tables.py checks "
                                                           "the same output without writing",
-    ".venv/bin/python bench/bench_zero.py": _BENCH,
-    "OMP_NUM_THREADS=1 .venv/bin/python bench/run.py --repeats 5 --steps 8": _BENCH,
+    ".venv/bin/python -m bench.bench_zero": _BENCH,
+    "OMP_NUM_THREADS=1 .venv/bin/python -m bench.run --repeats 5 --steps 8": _BENCH,
     "make bench": _BENCH,
-    ".venv/bin/python bench/bench_zero3.py --repeats 5": _BENCH,
-    ".venv/bin/python bench/bench_offload.py": _BENCH,
-    ".venv/bin/python bench/bench_offload.py --model big": _BENCH,
-    ".venv/bin/python bench/bench_cpu_adam.py": _BENCH,
-    ".venv/bin/python bench/bench_pipeline.py": _BENCH,
-    ".venv/bin/python bench/bench_data.py": _BENCH,
-    "PYTHONPATH=. python3 bench/gpu_mfu.py": _GPU,
-    "PYTHONPATH=. python3 bench/gpu_mfu.py --ladder": _GPU,
+    ".venv/bin/python -m bench.bench_zero3 --repeats 5": _BENCH,
+    ".venv/bin/python -m bench.bench_offload": _BENCH,
+    ".venv/bin/python -m bench.bench_offload --model big": _BENCH,
+    ".venv/bin/python -m bench.bench_cpu_adam": _BENCH,
+    ".venv/bin/python -m bench.bench_pipeline": _BENCH,
+    ".venv/bin/python -m bench.bench_data": _BENCH,
+    "python3 -m bench.gpu_mfu": _GPU,
+    "python3 -m bench.gpu_mfu --ladder": _GPU,
 }
-OWN_PYTHON = {"PYTHONPATH=. python3 bench/gpu_mfu.py", "PYTHONPATH=. python3 bench/gpu_mfu.py --ladder"}
+OWN_PYTHON = {"python3 -m bench.gpu_mfu", "python3 -m bench.gpu_mfu --ladder"}
 
 
 def _logical_lines(body: str) -> list[str]:
@@ -155,7 +156,7 @@ def _page_commands(text: str) -> list[str]:
         commands += lines if lang in ("bash", "sh") else [ln for ln in lines if re.match(LAUNCHER, ln)]
     prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
     for span in re.findall(r"`([^`\n]+)`", prose):
-        if re.match(LAUNCHER, span) and (re.search(r"\S\.(py|sh)\b", span) or span.startswith("make ")):
+        if re.match(LAUNCHER, span) and (re.search(r"\S\.(py|sh)\b|\s-m \w", span) or span.startswith("make ")):
             commands.append(" ".join(span.split()))
     return commands
 
@@ -234,19 +235,22 @@ def test_cheap_doc_commands_run_as_pasted(tmp_path) -> None:
 
 
 def entry_points() -> list[str]:
-    """pretrain_gpt.py, every script in tools/, and every .py a doc command runs."""
+    """pretrain_gpt.py, every script in tools/, every .py a doc command runs and every module of this
+    repository one runs with ``-m`` (named as a module: ``bench.run``)."""
     tools = sorted(os.path.relpath(p, ROOT) for ext in ("py", "sh") for p in glob.glob(os.path.join(ROOT, "tools",
                                                                                                      f"*.{ext}")))
     named = {m for c in doc_commands() for m in re.findall(r"(?<![\w/.])([\w/.-]+\.py)\b", c)}
-    return ["pretrain_gpt.py"] + tools + sorted(named - set(tools) - {"pretrain_gpt.py"})
+    modules = {m for c in doc_commands() for m in re.findall(r"\s-m ([\w.]+)", c)
+               if os.path.exists(os.path.join(ROOT, *m.split(".")) + ".py")}
+    return ["pretrain_gpt.py"] + tools + sorted(named - set(tools) - {"pretrain_gpt.py"}) + sorted(modules)
 
 
 def test_help_of_every_entry_point(tmp_path) -> None:
     """Python scripts through tests/helpers/help_runner.py (one interpreter, a fork per script: torch is
     imported once), shell scripts by bash; all from one fresh shell."""
     scripts = entry_points()
-    assert {"tools/plan_memory.py", "tools/launch_slurm.sh", "bench/run.py"} <= set(scripts), scripts
-    python, shell = [s for s in scripts if s.endswith(".py")], [s for s in scripts if s.endswith(".sh")]
+    assert {"tools/plan_memory.py", "tools/launch_slurm.sh", "bench.run"} <= set(scripts), scripts
+    python, shell = [s for s in scripts if not s.endswith(".sh")], [s for s in scripts if s.endswith(".sh")]
     (tmp_path / "py").mkdir()
     runner = f".venv/bin/python tests/helpers/help_runner.py {shlex.quote(str(tmp_path / 'py'))} " + " ".join(python)
     ran = run_in_fresh_shell([runner] + [f"bash {s} --help" for s in shell], tmp_path)
@@ -264,6 +268,8 @@ def test_help_of_every_entry_point(tmp_path) -> None:
     ("run `python b.py --y` or `make test`; flags `--tp 2`, `torchrun --nnodes 2`\n", ["python b.py --y",
                                                                                        "make test"]),
     ("<!-- plan:x begin -->\n```\npython tools/plan_memory.py $F\n```\n<!-- plan:x end -->\n", []),
+    ("`.venv/bin/python -m bench.run --groups tp`, `python -m pytest`, `-m cuda`\n",
+     [".venv/bin/python -m bench.run --groups tp", "python -m pytest"]),
 ])
 def test_extraction(text: str, want: list[str]) -> None:
     """What counts as a command: the rules above, on small pages (a wrong rule would hide commands)."""

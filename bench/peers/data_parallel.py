@@ -16,13 +16,9 @@ gradients accumulate locally and are reduce-scattered once, in the last.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from bench import common  # noqa: E402
-from bench.comm_count import install  # noqa: E402
+from bench import common
+from bench.comm_count import install
 
 COUNTER = install()
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from bench import common  # noqa: E402
-from bench.comm_count import install  # noqa: E402
+from bench import common
+from bench.comm_count import install
 
 COUNTER = install()
 

@@ -15,13 +15,9 @@ AdamW (decay on matrices) and clip at 1.0 using the TP-aware global norm.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from bench import common  # noqa: E402
-from bench.comm_count import install  # noqa: E402
+from bench import common
+from bench.comm_count import install
 
 COUNTER = install()
 

@@ -1,11 +1,16 @@
-"""The benchmark's own machinery: byte counting agrees with megazero's ledger; the report logic."""
+"""The benchmark's own machinery: byte counting agrees with megazero's ledger; the report logic; the
+harness runs a bench module (``python -m bench.x``, no sys.path edits) and every bench's results header."""
 from __future__ import annotations
 
 import math
+import os
+import re
 
 import torch
 
 from bench.comm_count import install
+from bench.harness import MZ, Entry, launch
+from bench.results import results_header
 from bench.run import compare, grad_param_bytes, table, verdict
 from megazero.parallel import collectives as C
 from tests.helpers.dist import spawn
@@ -114,3 +119,18 @@ def test_offload_bench_sampler_and_table():
                   {"row": "disk", **row, "peak_step_rss": 2.1e9, "time_max_rss": 3.05e9},
                   {"row": "deepspeed-cpu", "error": "no op"}])
     assert "| 3.05 | 90% | 95% |" in text and "failed: no op" in text  # in-step and whole-run (/usr/bin/time)
+
+
+def test_harness_runs_the_entry_as_a_module_of_the_repository(monkeypatch):
+    """The single-process reference, launched as ``python -m bench.megazero_entry`` with no PYTHONPATH."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # the suite's conftest sets one; a user's shell has none
+    record = launch(Entry("serial", MZ, [], 1), ["--steps", "1", "--warmup", "0"], timeout=300)
+    assert "error" not in record, record.get("error")
+    assert len(record["losses"]) == 1 and math.isfinite(record["losses"][0]), record
+
+
+def test_results_header_names_bench_date_machine_torch_cores_and_load():
+    header = results_header("bench.bench_zero")
+    pattern = (r"## bench\.bench_zero — \d{4}-\d\d-\d\d \d\d:\d\d UTC, .+, torch " + re.escape(torch.__version__)
+               + rf", {os.cpu_count()} cores, load \d+\.\d \d+\.\d \d+\.\d")
+    assert re.fullmatch(pattern, header), header

@@ -3,9 +3,11 @@
     python tests/helpers/help_runner.py OUT_DIR SCRIPT...
 
 Each script runs in a forked child as ``python SCRIPT --help`` would run it (``__main__``, its
-folder first on sys.path), its stdout and stderr in OUT_DIR/<i>, its exit code in OUT_DIR/<i>.rc;
-a child still running after ``LIMIT_S`` (a script that ignores --help and starts working) is killed
-by SIGALRM and reports -14. Forking after ``import torch`` is safe here: nothing has started a thread.
+folder first on sys.path); a SCRIPT without ``.py`` is a module, run as ``python -m SCRIPT --help``
+from the current folder would run it (the folder first on sys.path). Its stdout and stderr go
+to OUT_DIR/<i>, its exit code to OUT_DIR/<i>.rc; a child still running after ``LIMIT_S`` (a script
+that ignores --help and starts working) is killed by SIGALRM and reports -14. Forking after
+``import torch`` is safe here: nothing has started a thread.
 """
 from __future__ import annotations
 
@@ -24,9 +26,13 @@ def _child(script: str) -> int:
     """The exit code ``python script --help`` would return."""
     signal.alarm(LIMIT_S)
     sys.argv = [script, "--help"]
-    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    module = not script.endswith(".py")
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.abspath(script))
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
         return 0
     except SystemExit as done:
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)

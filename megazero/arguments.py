@@ -60,7 +60,8 @@ def load_yaml(path: str) -> dict[str, Any]:
         try:
             raw = yaml.safe_load(fh) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"--config file {path!r} is not valid YAML ({err.__class__.__name__}); fix its syntax.")
+            raise ConfigError(f"--config file {path!r} is not valid YAML ({err.__class__.__name__}); "
+                              f"fix its syntax.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--config file {path!r} must hold a mapping of setting: value.")
     flat: dict[str, Any] = {}

@@ -53,7 +53,8 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("nproc,flags,words", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])
 def test_bad_input_fails_fast_with_one_line(nproc, flags, words):
-    results = launch("pretrain_gpt.py", [*SMALL, *flags], nproc, timeout=300)  # a hang guard; start-up alone can take a minute on a loaded machine
+    # the timeout is a hang guard: start-up alone can take a minute on a loaded machine
+    results = launch("pretrain_gpt.py", [*SMALL, *flags], nproc, timeout=300)
     for rank, r in enumerate(results):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2, f"rank {rank}: exit {r.returncode}\n{r.stderr}"

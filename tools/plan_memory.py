@@ -226,7 +226,7 @@ def replace_blocks(text: str, blocks: dict[str, str], path: str) -> str:
         if not pattern.search(text):
             raise ValueError(f"{path} has no '<!-- plan:{name} begin -->' ... '<!-- plan:{name} end -->' markers; "
                              f"add them where the generated table belongs.")
-        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text, count=1)
+        text = pattern.sub(lambda m, body=body: m.group(1) + body + "\n" + m.group(2), text, count=1)
     return text
 
 

@@ -94,7 +94,8 @@ def _gpt2_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
     return {
         o + "ln_1.weight": src[p + "norm1.weight"], o + "ln_1.bias": src[p + "norm1.bias"],
         o + "attn.c_attn.weight": torch.cat([q, k, v]).t(), o + "attn.c_attn.bias": torch.cat([qb, kb, vb]),
-        o + "attn.c_proj.weight": src[p + "attention.proj.weight"].t(), o + "attn.c_proj.bias": src[p + "attention.proj.bias"],
+        o + "attn.c_proj.weight": src[p + "attention.proj.weight"].t(),
+        o + "attn.c_proj.bias": src[p + "attention.proj.bias"],
         o + "ln_2.weight": src[p + "norm2.weight"], o + "ln_2.bias": src[p + "norm2.bias"],
         o + "mlp.c_fc.weight": src[p + "mlp.fc1.weight"].t(), o + "mlp.c_fc.bias": src[p + "mlp.fc1.bias"],
         o + "mlp.c_proj.weight": src[p + "mlp.fc2.weight"].t(), o + "mlp.c_proj.bias": src[p + "mlp.fc2.bias"],
@@ -168,7 +169,8 @@ def _layer_from_hf(src: State, i: int, cfg: ModelConfig) -> State:
         return {
             p + "norm1.weight": src[o + "ln_1.weight"], p + "norm1.bias": src[o + "ln_1.bias"],
             p + "attention.qkv.weight": _fuse_qkv(q, k, v, cfg), p + "attention.qkv.bias": _fuse_qkv(qb, kb, vb, cfg),
-            p + "attention.proj.weight": src[o + "attn.c_proj.weight"].t(), p + "attention.proj.bias": src[o + "attn.c_proj.bias"],
+            p + "attention.proj.weight": src[o + "attn.c_proj.weight"].t(),
+            p + "attention.proj.bias": src[o + "attn.c_proj.bias"],
             p + "norm2.weight": src[o + "ln_2.weight"], p + "norm2.bias": src[o + "ln_2.bias"],
             p + "mlp.fc1.weight": src[o + "mlp.c_fc.weight"].t(), p + "mlp.fc1.bias": src[o + "mlp.c_fc.bias"],
             p + "mlp.fc2.weight": src[o + "mlp.c_proj.weight"].t(), p + "mlp.fc2.bias": src[o + "mlp.c_proj.bias"],

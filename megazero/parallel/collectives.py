@@ -20,8 +20,8 @@ standard accounting (N ranks in the group, B bytes of the full tensor):
     send               B
 
 keyed by (kind, axis); ZeRO 3's parameter gathers are kinds of their own
-(``all_gather.forward``, ``all_gather.backward``, ``all_gather.checkpoint``). ZeRO's claim that stages 1 and 2 move as many bytes
-as DDP's all-reduce is checked against these numbers.
+(``all_gather.forward``, ``all_gather.backward``, ``all_gather.checkpoint``). ZeRO's claim that stages 1 and 2
+move as many bytes as DDP's all-reduce is checked against these numbers.
 
 With ``timing`` on (``--log-timers``) it also adds up, per axis, the seconds
 this rank spent blocked in collectives: the whole call for blocking ones,

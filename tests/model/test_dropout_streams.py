@@ -116,7 +116,7 @@ def test_masks_per_layer_and_tp_rank_tp2_pp2():
     assert not torch.equal(att(plain, 0, 0), att(plain, 2, 0)), "layers 0 and 2 (two pp ranks) share attention masks"
     assert not torch.equal(hid(plain, 0, 0), hid(plain, 2, 0)), "layers 0 and 2 share hidden-dropout masks"
     for layer in range(4):
-        assert not torch.equal(att(plain, layer, 0), att(plain, layer, 1)), f"layer {layer}: TP ranks share heads' masks"
+        assert not torch.equal(att(plain, layer, 0), att(plain, layer, 1)), f"layer {layer}: TP ranks share masks"
         assert torch.equal(hid(plain, layer, 0), hid(plain, layer, 1)), f"layer {layer}: replicated masks differ"
         assert not torch.equal(hid(sp, layer, 0), hid(sp, layer, 1)), f"layer {layer}: SP shards share a mask"
         for t in (0, 1):  # under SP the embedding has its own stream: layer masks unchanged by its draw

@@ -9,8 +9,6 @@ llama. Per-iteration loss and grad norm within 1e-5 (TP: the harness's TP bound)
 """
 from __future__ import annotations
 
-import torch
-
 from megazero.model.documents import PackingRule
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
@@ -18,23 +16,15 @@ from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
 from megazero.training.trainer import Trainer
-from tests.helpers.batches import SyntheticBatches
+from tests.helpers.batches import PACKED_RULE, PackedBatches
 from tests.helpers.cp_runs import CPRun, make_cfg, serial_config
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import build, tolerance
 
-EOD, ITERS = 2, 6
-RULE = PackingRule(EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+ITERS = 6
 
 
-class PackedBatches(SyntheticBatches):
-    """The synthetic batches with an EOD wherever the drawn id is a multiple of 7."""
-
-    def next_step(self) -> list[torch.Tensor]:
-        return [torch.where(mb % 7 == 0, EOD, mb) for mb in super().next_step()]
-
-
-def train_packed(pstate: ParallelState, cfg, rule: PackingRule | None = RULE) -> list[tuple[float, float]]:
+def train_packed(pstate: ParallelState, cfg, rule: PackingRule | None = PACKED_RULE) -> list[tuple[float, float]]:
     chunks, optimizer = build(pstate, cfg)
     schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size), packing=rule)
     trainer = Trainer(cfg, pstate, chunks, optimizer, schedule, PackedBatches(cfg, pstate.dp_rank, pstate.dp),

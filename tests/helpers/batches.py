@@ -4,6 +4,10 @@ from __future__ import annotations
 import torch
 
 from megazero.config import Config
+from megazero.model.documents import PackingRule
+
+EOD = 2  # the end-of-document id of the packed batches
+PACKED_RULE = PackingRule(EOD, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
 
 
 class SyntheticBatches:
@@ -21,3 +25,10 @@ class SyntheticBatches:
         self.consumed_samples += t.global_batch_size
         mine = tokens.view(self.dp_size, -1, seq + 1)[self.dp_rank]
         return list(mine.split(t.micro_batch_size))
+
+
+class PackedBatches(SyntheticBatches):
+    """The synthetic batches with an EOD wherever the drawn id is a multiple of 7 (about one token in seven)."""
+
+    def next_step(self) -> list[torch.Tensor]:
+        return [torch.where(mb % 7 == 0, EOD, mb) for mb in super().next_step()]

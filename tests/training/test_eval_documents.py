@@ -15,7 +15,7 @@ from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.evaluate import evaluate
 from megazero.training.run import build_model_chunks
-from tests.context_parallel.test_cp_documents_training import EOD, RULE, PackedBatches
+from tests.helpers.batches import EOD, PACKED_RULE, PackedBatches
 from tests.helpers.cp_runs import make_cfg, serial_config
 from tests.helpers.dist import spawn
 
@@ -23,7 +23,7 @@ EVAL_ITERS, WORLD = 2, 4
 CONFIGS = {"gpt2.pp2.dp2": make_cfg("gpt2", pp=2, gbs=8), "llama.cp2.dp2": make_cfg("llama", cp=2, gbs=8)}
 
 
-def _val_loss(pstate: ParallelState, cfg: Config, rule=RULE) -> float:
+def _val_loss(pstate: ParallelState, cfg: Config, rule=PACKED_RULE) -> float:
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     batches = PackedBatches(cfg, pstate.dp_rank, pstate.dp)

@@ -93,7 +93,8 @@ def _run(mode: str, root: str, saves: int, between: int) -> dict:
     final_wait = time.perf_counter() - start
     folder = os.path.join(root, open(os.path.join(root, "latest")).read().strip())
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
-    return {"mode": mode, "steps": it - 1, "blocked_s": [round(b, 3) for b in blocked], "blocked_median_s": statistics.median(blocked),
+    return {"mode": mode, "steps": it - 1, "blocked_s": [round(b, 3) for b in blocked],
+            "blocked_median_s": statistics.median(blocked),
             "final_wait_s": round(final_wait, 3), "checkpoint_bytes": size,
             "step_s_idle": round(statistics.median(steps_idle), 3) if steps_idle else None,
             "step_s_while_writing": round(statistics.median(steps_writing), 3) if steps_writing else None}
@@ -123,7 +124,8 @@ def main() -> None:
               f"{', '.join(f'{b:.3f}' for b in r['blocked_s'])} | {r['final_wait_s']:.3f} s | "
               f"{r['step_s_idle']} s | {r['step_s_while_writing']} s |")
     if len(rows) == 2:
-        print(f"\nasync blocked / sync blocked (medians): {rows[1]['blocked_median_s'] / rows[0]['blocked_median_s']:.1%}")
+        ratio = rows[1]["blocked_median_s"] / rows[0]["blocked_median_s"]
+        print(f"\nasync blocked / sync blocked (medians): {ratio:.1%}")
 
 
 if __name__ == "__main__":

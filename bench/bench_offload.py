@@ -1,4 +1,5 @@
-"""Peak RSS and step time of the optimizer-state tiers (``--offload-optimizer none|cpu|disk``), and DeepSpeed's CPU offload.
+"""Peak RSS and step time of the optimizer-state tiers (``--offload-optimizer none|cpu|disk``), and DeepSpeed's
+CPU offload.
 
 Issue 16 asks for one measured fact: with the state on disk, the process RSS at the
 step's peak falls by at least 80% of the optimizer-state bytes of the same run in
@@ -20,8 +21,8 @@ Every row runs under ``/usr/bin/time -v``: its maximum resident set size is the 
 194M-parameter model (1.45 GiB of Adam moments) at the trainer's default ``--bucket-size`` and
 ``--offload-buffer-size``: the disk tier's host buffers hold ``--offload-buffer-size`` elements of
 state each, and a bucket shard larger than that streams through them in pieces.
-DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu`` (DS_ACCELERATOR=cpu, its CPUAdam JIT-built with g++) around the same megazero model and
-weights; if it cannot run, its row records the error. Nothing here is asserted by the
+DeepSpeed's row is ZeRO-2 with ``offload_optimizer: cpu`` (DS_ACCELERATOR=cpu, its CPUAdam JIT-built with g++)
+around the same megazero model and weights; if it cannot run, its row records the error. Nothing here is asserted by the
 test suite (numbers depend on the machine and its load); results: bench/RESULTS_offload.md.
 
     .venv/bin/python -m bench.bench_offload                 # all rows, prints a markdown table + JSON lines

@@ -138,7 +138,8 @@ def main() -> None:
         method, tp = run.split(":")
         r = run_child(method, int(tp), args.num_layers, args.tp_rank, args.pp_rank, args.threads)
         print(f"| {r['method']} | {r['tp']} | {r['blocks']} | {r['own_params'] / 1e6:.0f}M | "
-              f"{r['own_bytes'] / gb:.2f} GiB {r['dtype'][6:]} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | {r['peak_rss'] / gb:.2f} GiB | "
+              f"{r['own_bytes'] / gb:.2f} GiB {r['dtype'][6:]} | {r['seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+              f"{r['peak_rss'] / gb:.2f} GiB | "
               f"{r['rss_before'] / gb:.2f} GiB |", flush=True)
 
 

@@ -212,7 +212,8 @@ def report(name: str, work: Workload, timer: StepTimer, losses: list[float], com
     if not dist.is_initialized() or dist.get_rank() == 0:
         record = {
             "name": name, "tokens_per_s": work.tokens_per_step * work.steps / timer.elapsed,
-            "step_s": timer.elapsed / work.steps, "peak_rss_bytes": rss, "cpu_s_per_step": cpu, "model_state_bytes": states,
+            "step_s": timer.elapsed / work.steps, "peak_rss_bytes": rss, "cpu_s_per_step": cpu,
+            "model_state_bytes": states,
             "comm_bytes_per_step": comm_total, "comm_kinds_rank0": {k: v / work.steps for k, v in comm.items()},
             "losses": losses, **(extra or {}),
         }

@@ -147,7 +147,8 @@ def verdict(checks: list[dict]) -> str:
     """One line per failed property of a (megazero row, peer) pair."""
     bad = []
     for c in checks:
-        why = [w for w, failed in (("slower", c.get("ratio", 1.0) < 1.0), ("more model state", c.get("state_ok") is False),
+        why = [w for w, failed in (("slower", c.get("ratio", 1.0) < 1.0),
+                                   ("more model state", c.get("state_ok") is False),
                                    ("more bytes (total)", c.get("bytes_ok") is False),
                                    ("more grad+param bytes", c.get("grad_param_bytes_ok") is False)) if failed]
         if why:

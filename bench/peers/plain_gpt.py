@@ -49,7 +49,8 @@ class Block(nn.Module):
         bias = not self.llama
         self.norm1, self.norm2 = norm(), norm()
         qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
-        self.qkv, self.proj = linear("column", h, qkv, bias), linear("row", cfg.num_attention_heads * cfg.head_dim, h, bias)
+        self.qkv = linear("column", h, qkv, bias)
+        self.proj = linear("row", cfg.num_attention_heads * cfg.head_dim, h, bias)
         self.fc1, self.fc2 = linear("column", h, cfg.ffn_size, bias), linear("row", cfg.ffn_size, h, bias)
         if self.llama:
             self.gate = linear("column", h, cfg.ffn_size, bias)

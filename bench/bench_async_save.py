@@ -43,14 +43,15 @@ def _build():
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.run import build_model_chunks, build_optimizer
+    from megazero.training.parallelize import parallelize
+    from megazero.training.run import build_model_chunks
 
     cfg = Config.from_flat({**MODEL, "micro_batch_size": BATCH, "global_batch_size": BATCH, "device": "cpu",
                             "lr": 1e-4, "lr_decay_style": "constant", "seed": 1234})
     plan, pstate = RunPlan.resolve(cfg, 1), ParallelState.serial("cpu")
     seed_everything(1234, 0)
     chunks = build_model_chunks(cfg, plan, pstate)
-    return cfg, plan, pstate, chunks, build_optimizer(cfg, plan, chunks, pstate), build_schedule(plan)
+    return cfg, plan, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, build_schedule(plan)
 
 
 def _run(mode: str, root: str, saves: int, between: int) -> dict:

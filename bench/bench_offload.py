@@ -109,7 +109,8 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
     from megazero.training.host_memory import keep_freed_host_memory
-    from megazero.training.run import build_model_chunks, build_optimizer
+    from megazero.training.parallelize import parallelize
+    from megazero.training.run import build_model_chunks
 
     keep_freed_host_memory()  # as the trainer does on CPU
     zero, optimizer, params = TIERS[row]
@@ -125,7 +126,7 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     seed_everything(SEED, 0)
     plan = RunPlan.resolve(cfg, 1)
     chunks = build_model_chunks(cfg, plan, pstate)
-    opt = build_optimizer(cfg, plan, chunks, pstate)
+    opt = parallelize(chunks, plan, pstate, cfg).optimizer
     schedule = build_schedule(plan)
     count = sum(p.numel() for c in chunks for p in c.parameters())
 

@@ -26,11 +26,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from bench.harness import ROOT
 from bench.results import results_header
 from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.pipeline.schedules import build_schedule, schedule_timeline
 from megazero.pipeline.timeline import bubble_of_step
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
+from megazero.training.parallelize import parallelize
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.dist import spawn
@@ -65,7 +65,7 @@ def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
-    trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
+    trainer = Trainer(cfg, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, schedule,
                       Tokens(cfg.training.global_batch_size, cfg.model.seq_length), MetricsLog(None, False))
     for _ in range(cfg.training.train_iters):
         trainer.train_step()

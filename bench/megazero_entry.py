@@ -1,6 +1,6 @@
 """One megazero layout on the benchmark workload: ``--tp/--pp/--zero/--schedule/--vp``, world = tp*pp*dp.
 
-Built from the library's own pieces (``build_model_chunks``, ``build_optimizer``,
+Built from the library's own pieces (``build_model_chunks``, ``parallelize``,
 ``build_schedule``) and driven step by step here, so the loop is the same shape
 as every peer's: zero_grad, schedule over the micro-batches, optimizer step.
 Run with world size 1 it is the single-process reference every row's loss
@@ -66,14 +66,15 @@ def main() -> None:
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.run import build_model_chunks, build_optimizer
+    from megazero.training.parallelize import parallelize
+    from megazero.training.run import build_model_chunks
 
     cfg = build_config(args, world // (args.tp * args.pp))  # the micro-batch that gives --micro-batches per step
     plan = RunPlan.resolve(cfg, world)
     pstate = ParallelState.build(plan.layout, "cpu") if world > 1 else ParallelState.serial("cpu")
     seed_everything(common.SEED, pstate.pp_rank)
     chunks = build_model_chunks(cfg, plan, pstate)
-    opt = build_optimizer(cfg, plan, chunks, pstate)
+    opt = parallelize(chunks, plan, pstate, cfg).optimizer
     schedule = build_schedule(plan)
     data = common.tokens(work.total)
     per_dp = common.GLOBAL_BATCH // pstate.dp

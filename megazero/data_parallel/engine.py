@@ -60,6 +60,7 @@ host's AdamW kernel rounds differently from the device's).
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -74,6 +75,7 @@ from ..parallel.state import ParallelState
 from ..run_plan import GradReduction, StatePlacement, UnitGathering, ZeroStage
 from .buffers import Bucket, ParamGradBuffer
 from .host_transfers import HostTransfers, disk_buffer_width
+from .param_offload import param_shard_factory
 from .reduction import ReductionGroup, reduction_for
 from .zero3 import ParameterUnits, plan_units
 
@@ -82,35 +84,60 @@ from .zero3 import ParameterUnits, plan_units
 MAX_INFLIGHT_BUCKETS = 2
 
 
-class GradSyncEngine:
-    """Bucketed buffers of ``modules`` and their reduction/gather over ``group`` for ZeRO stage ``stage``.
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings:
+    """How the engine syncs gradients: the ZeRO stage and what the run plan derived for it."""
 
-    ``pstate`` gives the device and the replicated-grad groups (TP, embedding); ``group`` is the one
-    group gradients are reduced over. Whatever the engine makes it closes (``close``).
+    stage: ZeroStage = ZeroStage.NONE
+    bucket_size: int = 10_000_000  # elements per bucket
+    main_grads_dtype: torch.dtype = torch.float32
+    overlap_param_gather: bool = False  # ZeRO 1/2: each block waits for its buckets' all-gather
+    grad_reduction: GradReduction | None = None  # None: the stage's default (``GradReduction.of``)
+    gathering: UnitGathering | None = None  # ZeRO 3: None takes the default units
+    placement: StatePlacement = field(default_factory=StatePlacement)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage", ZeroStage(self.stage))  # tests may pass the stage's number
+
+    @property
+    def units(self) -> UnitGathering | None:
+        """ZeRO 3's units (the default ones unless given); None below ZeRO 3."""
+        return (self.gathering or UnitGathering()) if self.stage.shards_parameters else None
+
+
+class GradSyncEngine:
+    """Bucketed buffers of ``modules`` and their reduction/gather over ``group`` (default: the DP group) by
+    ``settings``.
+
+    ``pstate`` gives the device and the replicated-grad groups (TP, embedding). Building it hooks the
+    model, in this order: the per-parameter gradient hooks (into main grads, buckets launch), ZeRO 3's
+    units (gather/free around each unit; their grad hooks run after the buckets'), the gather waits
+    (``overlap_param_gather``). Whatever the engine makes it closes (``close``).
     """
 
-    def __init__(self, modules: list[nn.Module], pstate: ParallelState, group: ReductionGroup, *,
-                 stage: ZeroStage, bucket_size: int, main_grads_dtype: torch.dtype, overlap_param_gather: bool,
-                 grad_reduction: GradReduction, gathering: UnitGathering | None = None,
-                 param_store: Callable | None = None, placement: StatePlacement = StatePlacement()) -> None:
-        self.pstate, self.group, self.stage = pstate, group, stage
-        self.reduction = reduction_for(stage, group, grad_reduction)
-        assert stage.shards_parameters == (gathering is not None), "ZeRO 3, and only ZeRO 3, gathers units"
+    def __init__(self, modules: list[nn.Module], pstate: ParallelState, settings: EngineSettings = EngineSettings(),
+                 group: ReductionGroup | None = None) -> None:
+        self.settings, self.stage = settings, settings.stage
+        self.pstate, self.group = pstate, group or ReductionGroup.of(pstate)
+        stage, gathering = self.stage, settings.units
+        self.reduction = reduction_for(stage, self.group, settings.grad_reduction or GradReduction.of(stage))
         units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
-        self.buffers = self._build_buffers(modules, units, bucket_size, main_grads_dtype, param_store)
+        where = settings.placement
+        self.buffers = self._build_buffers(modules, units, settings.bucket_size, settings.main_grads_dtype,
+                                           param_shard_factory(where.parameters, where.offload_path, pstate.rank))
         self._sync = True
         self._drain_queued = False  # reducing every micro-batch: an end-of-backward callback will retire them
         # (buffer, bucket, work, the slice or partial shard it writes, reduced for the step's last micro-batch)
         self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None, bool]] = []
         self._gathers: dict[tuple[int, int], object] = {}
-        self.transfers = _host_transfers(self.buffers, pstate.device, placement)
-        self.overlap_param_gather = (overlap_param_gather and self.reduction.gathers_after_step
-                                     and group.group is not None)
-        for buf in self.buffers:
+        self.transfers = _host_transfers(self.buffers, pstate.device, settings.placement)
+        self.overlap_param_gather = (settings.overlap_param_gather and self.reduction.gathers_after_step
+                                     and self.group.group is not None)
+        for buf in self.buffers:  # first: a unit's grad hook below counts gradients these have accumulated
             for b in buf.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook(buf, b))
-        self.units = ParameterUnits(modules, self.buffers, units, group, gathering) if gathering else None
+        self.units = ParameterUnits(modules, self.buffers, units, self.group, gathering) if gathering else None
         if self.overlap_param_gather:
             for i, module in enumerate(modules):
                 self._register_gather_waits(i, module)

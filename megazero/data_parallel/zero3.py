@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from ..model.chunk import blocks_of
+from ..model.transformer import TransformerBlock
 from ..parallel import collectives as C
 from ..run_plan import UnitGathering
 from .buffers import Bucket, ParamGradBuffer
@@ -55,6 +56,7 @@ class UnitSpec:
     exit: nn.Module
     params: list[nn.Parameter]
     root: bool  # the chunk's parameters outside blocks: kept gathered from forward to backward
+    blocks: list[TransformerBlock] = field(default_factory=list)  # the blocks it gathers (none for the root)
 
 
 def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
@@ -71,7 +73,7 @@ def plan_units(module: nn.Module, layers_per_unit: int) -> list[UnitSpec]:
     for i in range(0, len(blocks), layers_per_unit):
         group = blocks[i: i + layers_per_unit]
         units.append(UnitSpec(group[0], group[-1], [p for b in group for p in b.parameters() if p.requires_grad],
-                              root=False))
+                              root=False, blocks=group))
     return [u for u in units if u.params]
 
 
@@ -127,6 +129,8 @@ class ParameterUnits:
                 unit = Unit(index=i, params=spec.params, buckets=[(buf, b) for b in buckets.values()],
                             root=spec.root, keep_until_backward=spec.root or not gathering.reshard_after_forward)
                 chunk.append(unit)
+                for block in spec.blocks:  # what ``print(model)`` shows (``TransformerBlock.extra_repr``)
+                    block.zero3_unit = i
                 spec.entry.register_forward_pre_hook(self._pre_forward_hook(chunk, unit))
                 spec.exit.register_forward_hook(self._post_forward_hook(chunk, unit))
                 for p in spec.params:

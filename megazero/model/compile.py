@@ -1,10 +1,10 @@
-"""Regional ``torch.compile`` (``--compile``): each transformer block's forward, applied to built chunks from outside.
+"""Regional ``torch.compile`` (``--compile``): each transformer block's body, kept in its ``compiled_body`` field.
 
 Why regional: compiling the whole model makes compile time grow with depth and
 hides the module boundaries that ZeRO 3 (forward pre/post hooks per unit),
 recompute (checkpoint wrappers per block) and pipeline stages (a chunk per
-stage) are built on. Here only ``TransformerBlock.forward`` - the body, not
-``block.__call__`` - is compiled, so every module hook still fires in eager
+stage) are built on. Here only ``TransformerBlock.body`` - not ``block.__call__``
+nor the ``forward`` that picks it and checkpoints it - is compiled, so every module hook still fires in eager
 around it. All blocks run the same code object with the same guards, so they
 share one compiled graph (one compile per distinct input shape / grad mode,
 not per layer); ``dynamic=False`` because a run's activation shapes are fixed.
@@ -20,20 +20,21 @@ What stays eager (a graph break; everything else of the block is one graph):
   a context without streams (``rng=None``): the fork would be a no-op that
   only breaks the graph. Those layers' streams are then never created, which
   a checkpoint records as "never drawn" - the same state.
-- *Selective recompute*: the checkpointed attention core (``recompute.py``).
+- *Selective recompute*: the checkpointed attention core (``recompute.py``), so recompute is set
+  first (``apply_recompute`` refuses a compiled block).
 - *Context parallelism*: the attention core's ring / all-to-all collectives.
 - *Tensor parallelism*: the TP layers' communicating autograd Functions
   (``tensor_parallel/comm.py``, ``layers.py``) are not traceable; dynamo breaks
   around each, so a TP block compiles into the regions between its collectives.
 
-Full recompute checkpoints the compiled body (``recompute.block_body``), so the
-recompute in backward runs the same compiled code. ``fullgraph=True`` wherever
+Each graph break is a field the block's code reads (``TransformerBlock.dropout_eager``,
+``Attention.core_eager``). Full recompute checkpoints the compiled body (``TransformerBlock.forward``),
+so the recompute in backward runs the same compiled code. ``fullgraph=True`` wherever
 none of the above applies (tp 1, dropout 0, recompute none/full, cp 1).
 """
 from __future__ import annotations
 
 import dataclasses
-import types
 from typing import Callable
 
 import torch
@@ -50,47 +51,30 @@ def eager_sites(block: TransformerBlock) -> list[str]:
     nothing), runs CP collectives, or is recompute's checkpoint wrapper.
     """
     sites = ["_dropout"] if block.cfg.hidden_dropout > 0.0 else []
-    if block.ctx.rng is not None or block.ctx.cp.active or "core_attention" in block.attention.__dict__:
+    if block.ctx.rng is not None or block.ctx.cp.active or block.attention.recompute_core:
         sites.append("attention.core_attention")
     return sites
 
 
-def _run_eager(owner: nn.Module, name: str) -> None:
-    """Make ``owner.name`` (a method, or the instance wrapper recompute put there) a graph break that runs eager."""
-    fn = getattr(owner, name)
-    setattr(owner, name, torch.compiler.disable(fn, recursive=True))
-
-
 def compile_block(block: TransformerBlock, backend: str = "inductor") -> bool:
-    """Compile ``block``'s forward body in place; returns whether it is one graph (``fullgraph``).
-
-    The compiled body is ``block.compiled_forward``; ``block.forward`` becomes it unless recompute put
-    its own wrapper there (full recompute then checkpoints the compiled body, ``recompute.block_body``).
-    """
-    if "compiled_forward" in block.__dict__:
+    """Compile ``block``'s body into ``block.compiled_body``; returns whether it is one graph (``fullgraph``)."""
+    if block.compiled_body is not None:
         raise ValueError("--compile: block already compiled; apply_compile runs once per built chunk.")
     draws = block.cfg.hidden_dropout > 0.0 or block.cfg.attention_dropout > 0.0
     if not draws and block.ctx.rng is not None:  # nothing is drawn: drop the fork that would break the graph
         ctx = dataclasses.replace(block.ctx, rng=None)
         block.ctx = block.attention.ctx = ctx
     sites = eager_sites(block)
-    for site in sites:
-        owner, _, name = site.rpartition(".")
-        _run_eager(block.get_submodule(owner) if owner else block, name)
+    block.dropout_eager = "_dropout" in sites
+    block.attention.core_eager = "attention.core_attention" in sites
     fullgraph = not sites and block.ctx.tp == 1
-    body = types.MethodType(type(block).forward, block)
-    block.compiled_forward = torch.compile(body, fullgraph=fullgraph, dynamic=False, backend=backend)
-    if "forward" not in block.__dict__:
-        block.forward = block.compiled_forward
+    block.compiled_body = torch.compile(block.body, fullgraph=fullgraph, dynamic=False, backend=backend)
     return fullgraph
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> int:
-    """Compile every block of ``model`` (a built chunk); returns how many.
-
-    Call it after ``apply_recompute``, whose wrappers it keeps (a later ``apply_recompute`` would drop
-    the compiled ``forward``).
-    """
+    """Compile every block of ``model`` (a built chunk); returns how many. Recompute is set before
+    (``training/parallelize.py``): the graph breaks follow its mode."""
     blocks = blocks_of(model)
     for block in blocks:
         compile_block(block, backend)

@@ -1,4 +1,4 @@
-"""Activation recomputation (checkpointing), applied to built model chunks from outside.
+"""Activation recomputation (checkpointing): the blocks' ``recompute`` fields and what their forward runs.
 
 Modes (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models"):
@@ -10,6 +10,10 @@ Transformer Models"):
 - ``full``: each block keeps only its input and re-runs its whole forward in
   backward. ``num_layers`` limits this to the first N blocks of each chunk
   (Megatron's "block" method), trading memory for compute.
+
+The mode is a field of each block (``TransformerBlock.recompute``, ``Attention.recompute_core``),
+set by ``apply_recompute`` (from ``training/parallelize.py``) and read by the block's own forward,
+which calls ``checkpointed_block`` / ``checkpointed_core`` below.
 
 Recompute must draw the same dropout masks as the original forward. A
 block draws from its own layer's streams (``DropoutRNG``: a shared and a
@@ -23,15 +27,25 @@ micro-batches of the same layer have drawn from them since). Without streams
 from __future__ import annotations
 
 import functools
-import types
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..tensor_parallel.random import DropoutRNG
-from .chunk import blocks_of
+
+
+class Layer(Protocol):
+    """What checkpointing reads of a block or its attention (``transformer.py``, which imports this module)."""
+
+    ctx: Any  # its TPContext: the dropout streams to replay
+    layer_id: int
+
+
+class Block(Layer, Protocol):
+    recompute: str
+    compiled_body: Callable[..., torch.Tensor] | None
+    attention: Any  # its Attention, whose ``recompute_core`` selective recompute sets
 
 MODES = ("none", "selective", "full")
 
@@ -57,53 +71,36 @@ def checkpoint_with_rng(fn: Callable[..., Any], rng: DropoutRNG | None, streams:
     return checkpoint(run, *args, use_reentrant=False)
 
 
-def block_body(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A block's forward without recompute: its compiled body under --compile (``model/compile.py``)."""
-    compiled = block.__dict__.get("compiled_forward")
-    return compiled if compiled is not None else types.MethodType(type(block).forward, block)
-
-
-def _checkpointed_block_forward(block: nn.Module, x: torch.Tensor, documents: Any = None) -> torch.Tensor:
-    """Forward of a ``TransformerBlock`` that keeps only ``x`` (and the micro-batch's ``documents``) for backward."""
-    body = block_body(block)
-    if documents is not None:  # the recompute sees the same documents as the forward
+def checkpointed_block(block: Layer, body: Callable[..., torch.Tensor], x: torch.Tensor,
+                       documents: Any = None) -> torch.Tensor:
+    """Full recompute: ``body(x)`` (the block's compiled body under --compile) keeping only ``x`` (and the
+    micro-batch's ``documents``, which the recompute sees as the forward did) for backward."""
+    if documents is not None:
         body = functools.partial(body, documents=documents)
-    if not torch.is_grad_enabled():
-        return body(x)
     streams = block.ctx.dropout_streams(block.layer_id)
     return checkpoint_with_rng(body, block.ctx.rng, streams, x)
 
 
-def _checkpointed_core_attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
-                                 v: torch.Tensor, bounds: Any = None) -> torch.Tensor:
-    """``Attention.core_attention`` re-run in backward; keeps only q, k, v (and the documents' bounds)."""
-    plain = type(attention).core_attention
-    if not torch.is_grad_enabled():
-        return plain(attention, q, k, v, bounds)
+def checkpointed_core(attention: Layer, core: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, bounds: Any = None) -> torch.Tensor:
+    """Selective recompute: the attention ``core`` re-run in backward; keeps only q, k, v (and the bounds)."""
     streams = attention.ctx.dropout_streams(attention.layer_id)
-    return checkpoint_with_rng(lambda *t: plain(attention, *t, bounds), attention.ctx.rng, streams, q, k, v)
+    return checkpoint_with_rng(lambda *t: core(*t, bounds), attention.ctx.rng, streams, q, k, v)
 
 
-def _reset(block: nn.Module) -> None:
-    block.__dict__.pop("forward", None)
-    block.attention.__dict__.pop("core_attention", None)
+def apply_recompute(blocks: Sequence[Block], mode: str, num_layers: int | None = None) -> None:
+    """Set the recompute fields of ``blocks`` (a chunk's, ``model.chunk.blocks_of``), read by their forward.
 
-
-def apply_recompute(model: nn.Module, mode: str, num_layers: int | None = None) -> nn.Module:
-    """Set the recompute mode on every block of ``model`` (a ``GPTModel`` chunk); returns it.
-
-    selective: every block's attention core is checkpointed through the RNG-safe
-    wrapper, which replays the layer's dropout streams. full: the first ``num_layers`` blocks of the
-    chunk (all when None) are checkpointed whole. Calling it again replaces the mode.
+    selective: every block's attention core is checkpointed. full: the first ``num_layers`` blocks (all when
+    None) are checkpointed whole. Calling it again replaces the mode. Raises once a block is compiled: what
+    runs eager inside a compiled body is chosen from the recompute mode (``compile.eager_sites``).
     """
     if mode not in MODES:
         raise ValueError(f"--recompute must be one of {MODES}, got {mode!r}.")
-    blocks = blocks_of(model)
+    if any(block.compiled_body is not None for block in blocks):
+        raise ValueError("recompute is set before compile (training/parallelize.py): a compiled block's "
+                         "graph breaks were chosen for the recompute mode it had then.")
     limit = len(blocks) if num_layers is None else num_layers
     for i, block in enumerate(blocks):
-        _reset(block)
-        if mode == "selective":
-            block.attention.core_attention = types.MethodType(_checkpointed_core_attention, block.attention)
-        elif mode == "full" and i < limit:
-            block.forward = types.MethodType(_checkpointed_block_forward, block)
-    return model
+        block.recompute = "full" if mode == "full" and i < limit else ("selective" if mode == "selective" else "none")
+        block.attention.recompute_core = mode == "selective"

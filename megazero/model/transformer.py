@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, sc
 from ..tensor_parallel.random import DropoutRNG, stream_name
 from .documents import Documents
 from .kv_cache import KVCache, cached_attention
+from .recompute import checkpointed_block, checkpointed_core
 
 
 @dataclass
@@ -140,6 +142,19 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp_group=ctx.group,
                                       bias=bias, sequence_parallel=ctx.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+        self.recompute_core = False  # selective recompute (``recompute.apply_recompute``): checkpoint the core
+        self.core_eager = False  # --compile: the core is a graph break (``compile.eager_sites``)
+
+    def extra_repr(self) -> str:
+        return ", ".join(w for w, on in (("recompute=selective", self.recompute_core),
+                                          ("core eager", self.core_eager)) if on)
+
+    def attend(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
+               bounds: Bounds | None = None) -> torch.Tensor:
+        """The core, checkpointed under selective recompute while grad is on."""
+        if self.recompute_core and torch.is_grad_enabled():
+            return checkpointed_core(self, self.core_attention, q_bnsd, k_bgsd, v_bgsd, bounds)
+        return self.core_attention(q_bnsd, k_bgsd, v_bgsd, bounds)
 
     def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
                        bounds: Bounds | None = None) -> torch.Tensor:
@@ -172,7 +187,8 @@ class Attention(nn.Module):
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
         if cache is None:
             bounds = None if documents is None else documents.bounds
-            out_bnsd = self.core_attention(q_bnsd, k_bgsd, v_bgsd, bounds)  # model/recompute.py may checkpoint this
+            attend = _attend_eager if self.core_eager else Attention.attend
+            out_bnsd = attend(self, q_bnsd, k_bgsd, v_bgsd, bounds)
         else:
             out_bnsd = cached_attention(q_bnsd, *cache.update(self.layer_id, k_bgsd, v_bgsd))
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
@@ -213,6 +229,19 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg, ctx, layer_id)
         self.norm2 = make_norm(cfg, ctx)
         self.mlp = MLP(cfg, ctx)
+        self.recompute = "none"  # ``recompute.apply_recompute``: "full" checkpoints this block (its compiled body)
+        self.compiled_body: Callable[..., torch.Tensor] | None = None  # --compile: ``compile.compile_block``
+        self.dropout_eager = False  # --compile: the drawing dropout is a graph break (``compile.eager_sites``)
+        self.zero3_unit: int | None = None  # --zero 3: the unit gathering this block (``data_parallel/zero3.py``)
+
+    def extra_repr(self) -> str:
+        """What ``training/parallelize.py`` applied, as ``print(model)`` shows it."""
+        applied = [f"layer {self.layer_id}", f"recompute={self.recompute}"]
+        if self.compiled_body is not None:
+            applied.append("compiled" + (", dropout eager" if self.dropout_eager else ""))
+        if self.zero3_unit is not None:
+            applied.append(f"zero3 unit {self.zero3_unit}")
+        return ", ".join(applied)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.cfg.hidden_dropout == 0.0:
@@ -221,5 +250,19 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
-        x = x + self._dropout(self.attention(self.norm1(x), cache=cache, documents=documents))
-        return x + self._dropout(self.mlp(self.norm2(x)))
+        """The body (compiled under --compile), checkpointed whole under full recompute while grad is on."""
+        body = self.compiled_body or self.body
+        if self.recompute == "full" and cache is None and torch.is_grad_enabled():
+            return checkpointed_block(self, body, x, documents)
+        return body(x, cache=cache, documents=documents)
+
+    def body(self, x: torch.Tensor, cache: KVCache | None = None,
+             documents: Documents | None = None) -> torch.Tensor:
+        dropout = _dropout_eager if self.dropout_eager else TransformerBlock._dropout
+        x = x + dropout(self, self.attention(self.norm1(x), cache=cache, documents=documents))
+        return x + dropout(self, self.mlp(self.norm2(x)))
+
+
+# --compile's graph breaks (``compile.eager_sites``): the same code, run eager from inside a compiled body
+_attend_eager = torch.compiler.disable(Attention.attend, recursive=True)
+_dropout_eager = torch.compiler.disable(TransformerBlock._dropout, recursive=True)

@@ -4,7 +4,6 @@ the trainer use. What moves parameters and gradients over the data-parallel grou
 the gradient-sync engine, ZeRO-3 units, parameter offload) is ``megazero.data_parallel``, underneath."""
 from .adam import StepResult
 from .protocol import ShardedOptimizerState, TrainingOptimizer
-from .zero import DistributedOptimizer, build_distributed_optimizer
+from .zero import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer", "ShardedOptimizerState", "StepResult", "TrainingOptimizer",
-           "build_distributed_optimizer"]
+__all__ = ["DistributedOptimizer", "ShardedOptimizerState", "StepResult", "TrainingOptimizer"]

@@ -23,16 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config, OptimizerConfig, Placement
+from ..config import OptimizerConfig, Placement
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
-from ..run_plan import GradReduction, RunPlan, StatePlacement, UnitGathering, ZeroStage
+from ..run_plan import StatePlacement
 from ..data_parallel.buffers import Bucket, ParamGradBuffer, merged_runs
 from ..data_parallel.engine import GradSyncEngine
 from ..data_parallel.host_transfers import HostTransfers
-from ..data_parallel.param_offload import param_shard_factory
 from ..data_parallel.rank_file import OffloadError
-from ..data_parallel.reduction import ReductionGroup
 from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
 from .offload import ShardOnDemand, build_store
@@ -41,26 +39,15 @@ from .scaler import DynamicLossScaler
 
 
 class DistributedOptimizer:
-    """AdamW with ZeRO stage ``zero`` (0/1/2/3) over ``pstate``'s DP group; the trainer's optimizer interface.
+    """AdamW (``cfg``) on the shards of ``sync``, the gradient-sync engine it steps (its ZeRO stage, buckets and
+    placement are the engine's settings); the trainer's optimizer interface.
 
-    ``grad_reduction`` (the run plan's): whether ZeRO 2 reduces once per step or every micro-batch; None
-    takes the stage's default (ZeRO 3 always reduces every micro-batch).
+    ``scaler`` (fp16): the dynamic loss scale whose hook ``training/parallelize.py`` put on the chunks.
     """
 
-    def __init__(self, modules: list[nn.Module], cfg: OptimizerConfig, pstate: ParallelState, *,
-                 zero: ZeroStage | int = ZeroStage.NONE, bucket_size: int = 10_000_000,
-                 main_grads_dtype: torch.dtype = torch.float32, overlap_param_gather: bool = False,
-                 scaler: DynamicLossScaler | None = None, gathering: UnitGathering | None = None,
-                 placement: StatePlacement = StatePlacement(), grad_reduction: GradReduction | None = None) -> None:
-        self.cfg, self.pstate, self.zero, self.scaler = cfg, pstate, ZeroStage(zero), scaler
-        if self.zero.shards_parameters and gathering is None:
-            gathering = UnitGathering()
-        self.sync = GradSyncEngine(modules, pstate, ReductionGroup.of(pstate), stage=self.zero,
-                                   bucket_size=bucket_size, main_grads_dtype=main_grads_dtype,
-                                   overlap_param_gather=overlap_param_gather, gathering=gathering,
-                                   grad_reduction=grad_reduction or GradReduction.of(self.zero),
-                                   param_store=param_shard_factory(placement.parameters, placement.offload_path,
-                                                                   pstate.rank), placement=placement)
+    def __init__(self, sync: GradSyncEngine, cfg: OptimizerConfig, scaler: DynamicLossScaler | None = None) -> None:
+        pstate, placement = sync.pstate, sync.settings.placement
+        self.cfg, self.pstate, self.zero, self.scaler, self.sync = cfg, pstate, sync.stage, scaler, sync
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
         try:
@@ -73,8 +60,6 @@ class DistributedOptimizer:
         self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
-        if scaler is not None:
-            scaler.attach(modules)
 
     @property
     def transfers(self) -> HostTransfers | None:
@@ -271,24 +256,3 @@ def _norm_runs(b: Bucket, pstate: ParallelState, counted: bool = True) -> list[t
     """Shard ranges [lo, hi) whose grads enter the global norm (or, ``counted=False``, do not)."""
     return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, pstate) == counted)
 
-
-def build_distributed_optimizer(cfg: Config, chunks: list[nn.Module], pstate: ParallelState, *,
-                                plan: RunPlan) -> DistributedOptimizer:
-    """The run's optimizer: ZeRO stage, when it reduces gradients and main-grad dtype from ``plan``;
-    buckets, overlap and loss scaling from ``cfg``.
-
-    Set-up casts the chunks to ``plan.compute_dtype`` first (the builder does not), so the fp32
-    master copy is the compute-dtype weights upcast: the fp32 initial values rounded to bf16/fp16
-    and back, as Megatron.
-    """
-    for chunk in chunks:
-        assert all(p.dtype == plan.compute_dtype for p in chunk.parameters()), "cast the chunks in set-up first"
-    t, par = cfg.training, cfg.parallel
-    scaler = None
-    if plan.compute_dtype == torch.float16:
-        scaler = DynamicLossScaler(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window)
-    return DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=plan.zero, bucket_size=par.bucket_size,
-                                main_grads_dtype=plan.main_grads_dtype,
-                                overlap_param_gather=par.overlap_param_gather, scaler=scaler,
-                                gathering=plan.gathering, placement=plan.placement,
-                                grad_reduction=plan.grad_reduction)

@@ -23,12 +23,10 @@ from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
 from ..model.chunk import blocks_of
-from ..model.compile import apply_compile, compile_report
+from ..model.compile import compile_report
 from ..model.documents import packing_rule
-from ..model.recompute import apply_recompute
 from ..model.sdpa import describe_attention
 from ..optimizer.accounting import memory_records
-from ..optimizer.zero import DistributedOptimizer, build_distributed_optimizer
 from ..parallel.layout import check_tp_inside_nodes, contiguous_nodes, describe_nodes
 from ..parallel.state import (ParallelState, default_device, gather_nodes, init_distributed,
                               ranks_per_node_from_env, world_size_from_env)
@@ -41,6 +39,7 @@ from .device_setup import apply_determinism, prepare_cuda_env
 from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .ownership import own_folders
+from .parallelize import parallelize
 from .preflight import check_output_paths
 from .startup_report import LoadTimer, report_start
 from .trainer import Trainer
@@ -96,21 +95,11 @@ def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     ``build_chunks`` draws the initial values in fp32 and casts them into compute-dtype storage; they
     reach the optimizer's fp32 master copy only through this cast (as Megatron). Also checks, with one
     all-gather over the pipeline group, that every stage expects the same activation shape and dtype
-    (a mismatch raises on every rank before any send).
+    (a mismatch raises on every rank before any send). Plain chunks: ``parallelize`` wraps them for training.
     """
     chunks = build_chunks(cfg, plan, pstate, rng)
     verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
-    for chunk in chunks:  # --recompute: checkpointing wrappers on this rank's blocks
-        apply_recompute(chunk, cfg.training.recompute, cfg.training.recompute_num_layers)
-        if cfg.training.compile:  # --compile: each block's forward body, inside the recompute wrappers and hooks
-            apply_compile(chunk, cfg.training.compile_backend)
     return chunks
-
-
-def build_optimizer(cfg: Config, plan: RunPlan, chunks: list[nn.Module],
-                    pstate: ParallelState) -> DistributedOptimizer:
-    """The ZeRO optimizer for ``plan.zero`` over chunks already in the compute dtype."""
-    return build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
 
 
 def _data(cfg: Config, rank: int, say: Callable,
@@ -245,7 +234,7 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
             say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
             with load_timer:
                 ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
-        optimizer = build_optimizer(cfg, plan, chunks, pstate)
+        optimizer = parallelize(chunks, plan, pstate, cfg).optimizer  # recompute, compile, DP engine, loss scale
         owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
         if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
             keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py

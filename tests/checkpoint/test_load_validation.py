@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from megazero.checkpoint import storage
 from megazero.checkpoint.load import load_model_weights, load_optimizer_state
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
+from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -30,7 +31,7 @@ from tests.helpers.serial_ckpt import build
 
 def _save(pstate, root: str) -> None:
     cfg, _, chunks, _ = build()
-    optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=1)
+    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
     save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
                                       optimizer), 3, 24)
 
@@ -41,7 +42,7 @@ def _load(pstate, root: str) -> str:
     meta = storage.read_metadata(folder)
     try:
         load_model_weights(folder, meta, chunks, pstate)
-        optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=1)
+        optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
         load_optimizer_state(folder, meta, optimizer, chunks, pstate)
     except ValueError as err:
         return str(err)

@@ -14,6 +14,7 @@ import torch
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
+from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -55,7 +56,8 @@ def test_resaving_an_iteration_survives_a_crash_between_renames(tmp_path, monkey
 def _save_with_nan(pstate, root: str, where: str, bad_rank: int) -> str:
     """One rank puts a NaN into the model weights or an inf into the Adam moments it writes; all save."""
     cfg, _, chunks, _ = build()
-    optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=1)  # each DP rank writes its shard
+    # each DP rank writes its shard
+    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
     if pstate.rank == bad_rank:
         with torch.no_grad():
             if where == "model":  # DP rank 0 writes the model weights

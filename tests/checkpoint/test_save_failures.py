@@ -17,6 +17,7 @@ import pytest
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
+from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
@@ -27,7 +28,8 @@ LIMIT = 20_000  # bytes: above the RNG file, below an optimizer shard of the tin
 
 def _save_on_a_full_disk(pstate, root: str, full_rank: int) -> tuple[str, int | None, str | None]:
     cfg, _, chunks, _ = build()
-    optimizer = DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=1)  # each rank writes its shard
+    # each rank writes its shard
+    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     if pstate.rank == full_rank:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from megazero.optimizer.zero import DistributedOptimizer, build_distributed_optimizer
+from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
+from megazero.training.parallelize import parallelize
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
@@ -50,7 +51,7 @@ def build(pstate: ParallelState, cfg: Config) -> tuple[list[torch.nn.Module], Di
     """The model chunks (cast to the compute dtype by set-up) and the optimizer, as a run builds them."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
-    return chunks, build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
+    return chunks, parallelize(chunks, plan, pstate, cfg).optimizer
 
 
 def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:

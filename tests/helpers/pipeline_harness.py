@@ -13,12 +13,12 @@ import torch
 
 from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
                              TrainingConfig)
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule, schedule_timeline
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
+from megazero.training.parallelize import parallelize
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
@@ -52,7 +52,7 @@ def train(cfg: Config, pstate: ParallelState) -> dict:
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
-    trainer = Trainer(cfg, pstate, chunks, DistributedOptimizer(chunks, cfg.optimizer, pstate, zero=0), schedule,
+    trainer = Trainer(cfg, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, schedule,
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}

@@ -15,11 +15,11 @@ from megazero.checkpoint.load import load_model_weights, load_optimizer_state
 from megazero.checkpoint.checkpointer import NullCheckpointer, SyncCheckpointer
 from megazero.checkpoint.save import CheckpointContext
 from megazero.config import Config
-from megazero.optimizer.zero import build_distributed_optimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
+from megazero.training.parallelize import parallelize
 from megazero.training.run import build_model_chunks
 from megazero.training.trainer import Trainer
 from tests.helpers.compare import full_parameters, full_params
@@ -55,7 +55,7 @@ def segment(pstate: ParallelState, cfg: Config, *, load: str | None = None, save
         folder = storage.resolve(load)
         meta = storage.read_metadata(folder)
         load_model_weights(folder, meta, chunks, pstate)
-    optimizer = build_distributed_optimizer(cfg, chunks, pstate, plan=plan)
+    optimizer = parallelize(chunks, plan, pstate, cfg).optimizer
     if load is not None:
         load_optimizer_state(folder, meta, optimizer, chunks, pstate)
         start = int(meta["iteration"])

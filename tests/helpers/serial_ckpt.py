@@ -17,6 +17,7 @@ from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.config import Config
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
+from megazero.data_parallel.engine import GradSyncEngine
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
@@ -29,7 +30,7 @@ def build(arch: str = "gpt2", hidden: int = 32):
     pstate = ParallelState.serial()
     model = GPTModel(cfg.model, TPContext())
     initialize_parameters(model, 1, None)
-    return cfg, pstate, [model], DistributedOptimizer([model], cfg.optimizer, pstate)
+    return cfg, pstate, [model], DistributedOptimizer(GradSyncEngine([model], pstate), cfg.optimizer)
 
 
 def save(root: str, iteration: int) -> str:

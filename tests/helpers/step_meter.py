@@ -41,7 +41,8 @@ from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks, build_optimizer
+from megazero.training.parallelize import parallelize
+from megazero.training.run import build_model_chunks
 from tests.helpers.batches import SyntheticBatches
 
 
@@ -124,7 +125,7 @@ def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[st
     torch.manual_seed(cfg.training.seed)
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
-    opt = build_optimizer(cfg, plan, chunks, pstate)
+    opt = parallelize(chunks, plan, pstate, cfg).optimizer
     schedule = build_schedule(plan)
     batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
     with StepStateMeter(opt) as meter:

@@ -14,6 +14,7 @@ import torch
 
 from megazero.config import ModelConfig
 from megazero.memory import ActivationSpec, chunk_activation_bytes
+from megazero.model.chunk import blocks_of
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
@@ -41,7 +42,8 @@ def _build(pstate, arch: str, sp: bool, mode: str, dropout: float) -> tuple[GPTM
                     rng=DropoutRNG(SEED, pstate.tp_rank, pstate.device))
     model = GPTModel(cfg, ctx)
     initialize_parameters(model, SEED, pstate.tp_group)
-    return apply_recompute(model, mode).train(), cfg
+    apply_recompute(blocks_of(model), mode)
+    return model.train(), cfg
 
 
 def _tokens(cfg: ModelConfig) -> torch.Tensor:

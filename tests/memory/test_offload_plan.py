@@ -28,7 +28,8 @@ from megazero.memory.offload import STATE_BYTES, OffloadHardware, offload_second
 from megazero.optimizer.accounting import measured_state_bytes
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks, build_optimizer
+from megazero.training.parallelize import parallelize
+from megazero.training.run import build_model_chunks
 from tests.helpers.batches import SyntheticBatches
 from tests.helpers.dist import spawn
 from tests.helpers.step_meter import StepStateMeter
@@ -67,7 +68,7 @@ def measured(pstate, folder: str) -> list[dict]:
         cfg = _config(*run, folder)
         plan = RunPlan.resolve(cfg, pstate.layout.world_size)
         chunks = build_model_chunks(cfg, plan, pstate)
-        opt = build_optimizer(cfg, plan, chunks, pstate)
+        opt = parallelize(chunks, plan, pstate, cfg).optimizer
         schedule, batches = build_schedule(plan), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         with StepStateMeter(opt) as meter:
             for _ in range(2):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.optimizer.zero import DistributedOptimizer
@@ -59,7 +60,8 @@ def check_world(serial: dict[tuple[float, int], dict], world: int, runs: dict[st
     bad = {}
     for rank, per_run in enumerate(results):
         for name, run in per_run.items():
-            bad.update(failures(compare_runs(run, serial[ref_key(runs[name])], f"rank{rank}.{name}"), tolerance(grid.get("tp", 1))))
+            diffs = compare_runs(run, serial[ref_key(runs[name])], f"rank{rank}.{name}")
+            bad.update(failures(diffs, tolerance(grid.get("tp", 1))))
     assert not bad, f"world {world} {grid}: {len(bad)} mismatches, e.g. {dict(list(bad.items())[:8])}"
 
 
@@ -87,7 +89,8 @@ def test_serial_is_torch_adamw():
         model = GPTModel(cfg.model, TPContext(group=None))
         initialize_parameters(model, cfg.training.seed, None)
         models.append(model)
-    ours = DistributedOptimizer([models[0]], cfg.optimizer, ParallelState.serial(), bucket_size=3000)
+    ours = DistributedOptimizer(GradSyncEngine([models[0]], ParallelState.serial(), EngineSettings(bucket_size=3000)),
+                                cfg.optimizer)
     o = cfg.optimizer
     ref = torch.optim.AdamW(param_groups(list(models[1].parameters()), o.weight_decay), lr=o.lr,
                             betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megazero.model.chunk import blocks_of
 from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
@@ -34,7 +35,8 @@ def recompute_parity_and_eval(pstate) -> dict[str, float]:
             seed_everything(7, pstate.pp_rank)  # the shared dropout stream starts alike for every mode
             runs[mode] = train(_with_dropout(arch, mode, tp=2, pp=2, sp=True), pstate)
         for mode in ("selective", "full"):
-            errs[f"{arch}.{mode}.losses"] = max(abs(a - b) for a, b in zip(runs[mode]["losses"], runs["none"]["losses"]))
+            pairs = zip(runs[mode]["losses"], runs["none"]["losses"])
+            errs[f"{arch}.{mode}.losses"] = max(abs(a - b) for a, b in pairs)
             for name, p in runs[mode]["params"].items():
                 errs[f"{arch}.{mode}.{name}"] = rel_err(p, runs["none"]["params"][name])
         no_dropout = train(make_cfg(arch, tp=2, pp=2, sp=True), pstate)["losses"][0]
@@ -71,7 +73,7 @@ def test_recompute_saves_activation_memory():
     for mode in MODES:
         model = GPTModel(cfg, TPContext())
         initialize_parameters(model, 1, None)
-        apply_recompute(model, mode)
+        apply_recompute(blocks_of(model), mode)
         tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length + 1), generator=torch.Generator().manual_seed(0))
         with SavedTensorMeter(model.parameters()) as meter:
             model(tokens[:, :-1], tokens[:, 1:])

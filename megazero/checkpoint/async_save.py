@@ -31,7 +31,6 @@ from torch import nn
 
 from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel import collectives as C
-from ..parallel.state import ParallelState
 from . import save as S
 
 
@@ -77,13 +76,12 @@ def _model_copies(named: dict[str, nn.Parameter], optimizer: ShardedOptimizerSta
     return {n: buffers.copy(f"model/{n}", p) for n, p in named.items()} if keep else {}
 
 
-def take_snapshot(target: S.SaveTarget, chunks: list[nn.Module], optimizer: ShardedOptimizerState,
-                  pstate: ParallelState, tp_rng: Any, buffers: HostBuffers, gathers: bool) -> Snapshot:
+def take_snapshot(target: S.SaveTarget, ctx: S.CheckpointContext, buffers: HostBuffers) -> Snapshot:
     """Everything this rank writes, copied to the host now (the only part of a save that blocks the step)."""
-    named = S.named_parameters(chunks)
+    named, pstate = S.named_parameters(ctx.chunks), ctx.pstate
     writes_model = pstate.dp_cp_rank == 0  # as save_checkpoint: one copy of each (tp, pp) slice
-    weights = _model_copies(named, optimizer, buffers, writes_model, gathers)
-    files, optim_info = S.rank_files(named, weights, optimizer, pstate, tp_rng,
+    weights = _model_copies(named, ctx.optimizer, buffers, writes_model, gathers=ctx.plan.zero.shards_parameters)
+    files, optim_info = S.rank_files(named, weights, ctx.optimizer, pstate, ctx.tp_rng,
                                      lambda key, view: buffers.copy(f"optim/{key}", view, torch.float32))
     if buffers.pin:  # one sync for every non-blocking copy above
         event = torch.cuda.Event()
@@ -122,8 +120,7 @@ class AsyncCheckpointer:
         ctx = self.ctx
         self.finish()  # the next save waits for the previous one
         target = S.start_save(ctx.root, iteration, consumed_samples, ctx.optimizer, ctx.pstate)
-        snap = take_snapshot(target, ctx.chunks, ctx.optimizer, ctx.pstate, ctx.tp_rng, self.buffers,
-                             gathers=ctx.plan.zero.shards_parameters)
+        snap = take_snapshot(target, ctx, self.buffers)
         snap.paused_s = time.perf_counter() - target.started
         snap.thread = threading.Thread(target=write_snapshot, args=(snap,), daemon=True,
                                        name=f"megazero-async-save-{iteration}")

@@ -42,7 +42,7 @@ from ..model.documents import Documents, PackingRule
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .p2p import StageLink
-from .timeline import Timeline
+from .timeline import NO_TIMELINE, NullTimeline, Timeline
 
 NoSync = Callable[[], ContextManager]
 
@@ -88,7 +88,7 @@ class StepRunner:
     """One rank's state during one schedule call: its chunks, the data, the link, the counts."""
 
     def __init__(self, chunks: list[nn.Module], micro_batches: list[torch.Tensor], pstate: ParallelState,
-                 no_sync: NoSync, timeline: Timeline | None, link: StageLink,
+                 no_sync: NoSync, timeline: Timeline | NullTimeline, link: StageLink,
                  documents: list[Documents] | None = None) -> None:
         self.chunks, self.micro_batches, self.pstate = chunks, micro_batches, pstate
         self.documents = documents
@@ -104,8 +104,6 @@ class StepRunner:
                          from_next=total - (self.m if self.last else 0))
 
     def _span(self, kind: str, micro_batch: int, chunk: int) -> ContextManager:
-        if self.timeline is None:
-            return contextlib.nullcontext()
         return self.timeline.span(kind, micro_batch, chunk)
 
     def forward(self, c: int, x: torch.Tensor | None) -> torch.Tensor:
@@ -169,7 +167,7 @@ class Schedule:
     """
 
     def __init__(self, name: str, step: StepFn, stage_shape: tuple[int, int, int], dtype: torch.dtype,
-                 timeline: Timeline | None = None, *, chunks_per_rank: int = 1,
+                 timeline: Timeline | NullTimeline = NO_TIMELINE, *, chunks_per_rank: int = 1,
                  packing: PackingRule | None = None) -> None:
         self.name, self.step, self.timeline, self.packing = name, step, timeline, packing
         self.stage_shape, self.dtype, self.chunks_per_rank = stage_shape, dtype, chunks_per_rank
@@ -185,12 +183,10 @@ class Schedule:
         documents = None if self.packing is None else step_documents(self.packing, micro_batches, pstate)
         run = StepRunner(chunks, micro_batches, pstate, no_sync, self.timeline,
                          StageLink(pstate, self.stage_shape, self.dtype), documents)
-        if self.timeline is not None:
-            self.timeline.begin_step()
+        self.timeline.begin_step()
         self.step(run)
         run.link.flush()
-        if self.timeline is not None:
-            self.timeline.end_step()
+        self.timeline.end_step()
         assert run.stats.in_flight == 0 and run.stats.forwards == run.m * run.vp, run.stats
         assert not run.link.undelivered(), f"receives announced but not taken: {run.link.undelivered()}"
         self.stats = run.stats

@@ -23,7 +23,7 @@ from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from .interleaved import interleaved_1f1b
 from .runner import Schedule, StepFn, StepRunner
-from .timeline import Timeline
+from .timeline import NO_TIMELINE, NullTimeline, Timeline
 
 
 def no_pipelining(run: StepRunner) -> None:
@@ -83,7 +83,7 @@ SCHEDULES: dict[str, StepFn] = {"no-pipelining": no_pipelining, "gpipe": gpipe, 
                                 "interleaved": interleaved_1f1b}
 
 
-def build_schedule(plan: RunPlan, *, timeline: Timeline | None = None,
+def build_schedule(plan: RunPlan, *, timeline: Timeline | NullTimeline = NO_TIMELINE,
                    packing: PackingRule | None = None) -> Schedule:
     """The plan's schedule, passing activations of ``plan.stage_shape`` in ``plan.compute_dtype``;
     ``packing``: the run's document flags (``model.documents.packing_rule``), None without them."""
@@ -92,9 +92,9 @@ def build_schedule(plan: RunPlan, *, timeline: Timeline | None = None,
                     chunks_per_rank=plan.virtual_stages, packing=packing)
 
 
-def schedule_timeline(logging: LoggingConfig, pstate: ParallelState) -> Timeline | None:
+def schedule_timeline(logging: LoggingConfig, pstate: ParallelState) -> Timeline | NullTimeline:
     """A timeline for ``--timeline`` (written to a file) or ``--log-timers`` with a pipeline (the bubble
-    fraction in the log line); None when neither asks for one."""
+    fraction in the log line); one that records nothing when neither asks for one."""
     if not (logging.timeline or (logging.log_timers and pstate.pp > 1)):
-        return None
+        return NO_TIMELINE
     return Timeline(pstate.rank, pstate.pp_rank, cuda=pstate.device.type == "cuda")

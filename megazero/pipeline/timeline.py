@@ -18,7 +18,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 
@@ -99,6 +99,10 @@ class Timeline:
         busy = sum(s.end - s.start for s in spans)
         return max(0.0, 1.0 - busy / max(end - start, 1e-12))
 
+    def step_fields(self) -> dict[str, float]:
+        """What the last step adds to its logged record: this rank's bubble fraction."""
+        return {"bubble_fraction": self.last_bubble_fraction()}
+
     def chrome_events(self) -> list[dict]:
         """Complete ('X') events in microseconds; pid = rank, tid = model chunk."""
         events = [{"name": "process_name", "ph": "M", "pid": self.rank,
@@ -118,6 +122,30 @@ class Timeline:
         with open(out, "w") as fh:
             json.dump({"traceEvents": self.chrome_events(), "displayTimeUnit": "ms"}, fh)
         return out
+
+
+class NullTimeline:
+    """A schedule that records no spans (no --timeline, and no bubble line to log): every call does nothing,
+    so the step runner and the trainer make the same calls with or without a timeline."""
+
+    def begin_step(self) -> None:
+        """Nothing to record."""
+
+    def end_step(self) -> None:
+        """Nothing to record."""
+
+    def span(self, kind: str, micro_batch: int, chunk: int) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def step_fields(self) -> dict[str, float]:
+        return {}
+
+    def write(self, path: str) -> str:
+        """Nothing was recorded, so no file is written ('')."""
+        return ""
+
+
+NO_TIMELINE = NullTimeline()
 
 
 def rank_path(path: str, rank: int) -> str:

@@ -200,8 +200,7 @@ class Trainer:
         }
         if self.cfg.logging.log_timers:
             record["comm_wait_s"] = self.pstate.ledger.take_wait_seconds()
-        if self.schedule.timeline is not None:  # this rank's idle share of its schedule call
-            record["bubble_fraction"] = self.schedule.timeline.last_bubble_fraction()
+        record.update(self.schedule.timeline.step_fields())  # a pipeline's bubble: this rank's idle share
         return record
 
     def _emit(self, record: dict[str, Any], line: str) -> None:
@@ -248,7 +247,7 @@ class Trainer:
                                + (f", {latest}" if latest else ""))
         finally:
             stop.restore()
-        if self.schedule.timeline is not None and self.cfg.logging.timeline:
+        if self.cfg.logging.timeline:
             self.schedule.timeline.write(self.cfg.logging.timeline)
         return records
 

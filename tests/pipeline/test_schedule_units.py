@@ -5,6 +5,7 @@ from __future__ import annotations
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.p2p import NEXT, PREV, ReceiveAhead
 from megazero.pipeline.schedules import build_schedule
+from megazero.pipeline.timeline import NullTimeline
 from megazero.run_plan import RunPlan
 from tests.helpers.pipeline_harness import make_cfg, train
 
@@ -13,7 +14,7 @@ def test_pp1_is_the_no_pipelining_schedule_with_or_without_a_timeline(tmp_path):
     cfg = make_cfg("gpt2", gbs=8)  # m = 4 micro-batches of 2
     serial = ParallelState.serial()
     schedule = build_schedule(RunPlan.resolve(cfg, serial.layout.world_size))
-    assert schedule.name == "no-pipelining" and schedule.timeline is None
+    assert schedule.name == "no-pipelining" and isinstance(schedule.timeline, NullTimeline)
     plain = train(cfg, serial)
     timed = train(cfg.updated(timeline=str(tmp_path / "trace.json")), serial)
     assert timed["losses"] == plain["losses"]  # bitwise: the timeline only measures

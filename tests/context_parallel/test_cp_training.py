@@ -13,7 +13,7 @@ TFLOP/s counts each token once over all devices (cp cannot inflate it).
 """
 from __future__ import annotations
 
-from megazero.config import ConfigError
+from megazero.config import Config, ConfigError
 from megazero.model.flops import flops_per_token
 from tests.helpers.compare import precision_errors
 from tests.helpers.cp_runs import CPRun, make_cfg, run_many, serial_reference
@@ -90,7 +90,9 @@ def test_bad_cp_layouts_fail_with_one_line():
              ("--cp-comm-type a2a", "heads"): (lambda: make_cfg(cp=8, comm="a2a"), 8),
              ("world size 6", "--tp 1 x --cp 4"): (lambda: make_cfg(cp=4), 6),
              ("--attention-dropout", "--cp 2"): (lambda: make_cfg(cp=2).updated(attention_dropout=0.1), 2),
-             ("--cp-a2a-size", "a2a+p2p"): (lambda: make_cfg(cp=4, a2a=2), 4),
+             # a setting the run ignores is refused where settings arrive (flags, YAML, from_flat)
+             ("--cp-a2a-size", "a2a+p2p"): (lambda: Config.from_flat({**make_cfg(cp=4).to_flat(), "cp_a2a_size": 2}),
+                                            4),
              ("--cp-comm-type a2a+p2p", "--cp-a2a-size"): (lambda: make_cfg(cp=4, comm="a2a+p2p", a2a=4), 4),
              ("--seq-length", "--cp (2) with --sequence-parallel"): (lambda: make_cfg(tp=4, cp=2, sp=True,
                                                                                      seq=36), 8)}

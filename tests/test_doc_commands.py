@@ -44,6 +44,9 @@ COMMANDS: dict[str, str] = {
     # README.md
     "make train": _TRAINS,
     "make test": "the whole suite, which this test is part of",
+    "make lint": "CI runs it before the tests (.ci/run)",
+    # docs/architecture.md
+    ".venv/bin/python tools/compare_step_records.py --help": RUN,
     ".venv/bin/python -m pytest tests/checkpoint -q": "a part of the suite, which this test is part of",
     ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2":
         _TRAINS,

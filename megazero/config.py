@@ -42,6 +42,7 @@ class Placement(str, enum.Enum):
         return cls({flag_word: value for value, flag_word in _OFFLOAD_FLAGS.items()}[word])
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")  # the one home of the recompute modes, cheapest compute first
 _OFFLOAD_FLAGS = {"device": "none", "host": "cpu", "disk": "disk"}  # Placement value -> flag word
 OFFLOAD_FLAGS = tuple(_OFFLOAD_FLAGS.values())  # the choices of --offload-optimizer/--offload-params
 
@@ -247,7 +248,7 @@ class TrainingConfig:
                          "planner picks the first of none, selective, full whose predicted peak per rank fits "
                          "90% of the budget: --memory-budget-gb, else the GPU's memory, else this node's "
                          "available memory / ranks on it; docs/memory_planner.md).",
-                         choices=("none", "selective", "full", "auto"))
+                         choices=(*RECOMPUTE_MODES, "auto"))
     memory_budget_gb: float | None = opt(None, "--recompute auto: memory per rank, in GiB, to fit (overrides what "
                                          "the device reports); None = the device's.", above=0,
                                          at_most=1024 * 1024, applies=when("recompute", "auto"))

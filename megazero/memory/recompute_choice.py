@@ -24,12 +24,11 @@ from typing import Callable
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import RECOMPUTE_MODES, Config, ConfigError
 from ..run_plan import RunPlan
 from .plan import GIB, MemoryPlan, PlanSpec, plan_memory, planned_device, with_vocabulary
 
 MARGIN = 0.10  # of the budget, left free
-MODES = ("none", "selective", "full")  # cheapest compute first
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,7 @@ def choose_recompute(cfg: Config, run: RunPlan, device: str, budget_bytes: float
         raise ConfigError(f"--recompute auto needs a memory budget above 0 ({source} gave {budget_bytes:.0f} "
                           f"bytes); pass --memory-budget-gb.")
     tried: list[tuple[str, float]] = []
-    for mode in MODES:
+    for mode in RECOMPUTE_MODES:
         peak = plan_memory(PlanSpec.from_plan(_with_mode(cfg, mode), run, device)).peak.total_bytes
         tried.append((mode, peak))
         if peak <= (1 - MARGIN) * budget_bytes:
@@ -145,9 +144,9 @@ def plan_for_cluster(cfg: Config, world_size: int,
         return [plan_memory(spec)], None
     budget = _planner_budget(cfg, gpu_memory_gib)
     if budget is None:
-        plans = [plan_memory(PlanSpec.from_plan(_with_mode(cfg, m), spec.run, spec.device)) for m in MODES]
+        plans = [plan_memory(PlanSpec.from_plan(_with_mode(cfg, m), spec.run, spec.device)) for m in RECOMPUTE_MODES]
         return plans, (f"--recompute auto: no memory budget given (--gpu-memory GB or --memory-budget-gb GB), so "
-                       f"every mode is planned; a run takes the first of {', '.join(MODES)} whose peak fits "
+                       f"every mode is planned; a run takes the first of {', '.join(RECOMPUTE_MODES)} whose peak fits "
                        f"{1 - MARGIN:.0%} of its budget (--memory-budget-gb, else its GPU's memory)")
     choice = choose_recompute(cfg, spec.run, spec.device, budget[0] * GIB, budget[1])
     chosen = PlanSpec.from_plan(_with_mode(cfg, choice.mode), spec.run, spec.device)

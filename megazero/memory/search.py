@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import Config, ModelConfig, Placement
+from ..config import RECOMPUTE_MODES, Config, ModelConfig, Placement
 from ..model.flops import flops_per_token
 from ..run_plan import ZeroStage
 from .activations import kv_heads_per_rank
@@ -156,7 +156,7 @@ def _cp_ok(cfg: ModelConfig, tp: int, cp: int) -> bool:
 
 
 def search_layouts(cfg: Config, hw: Hardware, micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
-                   recomputes: tuple[str, ...] = ("none", "selective", "full"),
+                   recomputes: tuple[str, ...] = RECOMPUTE_MODES,
                    offload: bool = False) -> list[Candidate]:
     """Every layout of ``hw.gpus`` that fits ``cfg``'s model and global batch, fastest first (tp inside a
     node, context parallelism with the ring (p2p), 1F1B when pp > 1; each a ``RunPlan`` resolved for

@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..config import RECOMPUTE_MODES
 from ..tensor_parallel.random import DropoutRNG
 
 
@@ -47,7 +48,6 @@ class Block(Layer, Protocol):
     compiled_body: Callable[..., torch.Tensor] | None
     attention: Any  # its Attention, whose ``recompute_core`` selective recompute sets
 
-MODES = ("none", "selective", "full")
 
 
 def checkpoint_with_rng(fn: Callable[..., Any], rng: DropoutRNG | None, streams: list[str], *args: Any) -> Any:
@@ -95,8 +95,8 @@ def apply_recompute(blocks: Sequence[Block], mode: str, num_layers: int | None =
     None) are checkpointed whole. Calling it again replaces the mode. Raises once a block is compiled: what
     runs eager inside a compiled body is chosen from the recompute mode (``compile.eager_sites``).
     """
-    if mode not in MODES:
-        raise ValueError(f"--recompute must be one of {MODES}, got {mode!r}.")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"--recompute must be one of {RECOMPUTE_MODES}, got {mode!r}.")
     if any(block.compiled_body is not None for block in blocks):
         raise ValueError("recompute is set before compile (training/parallelize.py): a compiled block's "
                          "graph breaks were chosen for the recompute mode it had then.")

@@ -15,7 +15,8 @@ import pytest
 from megazero.arguments import parse_config
 from megazero.memory import GIB, plan_for_run, planned_world
 from megazero.memory import recompute_choice
-from megazero.memory.recompute_choice import MARGIN, MODES
+from megazero.config import RECOMPUTE_MODES as MODES
+from megazero.memory.recompute_choice import MARGIN
 from tests.helpers.tool_module import load_tool
 
 TINY = ["--config", "configs/tiny.yaml", "--vocab-size", "8000", "--tp", "2", "--dp", "2"]  # recompute: auto

@@ -19,17 +19,11 @@ from megazero.data.hf_tokenizer import END_OF_TEXT, HFTokenizer, train_byte_leve
 from megazero.data.indexed import IndexedDataset
 from megazero.data.preprocess import preprocess_files
 from megazero.data.tokenizer import Tokenizer, load_tokenizer, resolve_tokenizer, train_sentencepiece
+from tests.helpers.hf_tokenizers import HARD_STRINGS
 from tests.helpers.launch import ROOT
 
 VOCAB = 512
 QUIET = dict(log=lambda *_: None)
-HARD_STRINGS = [
-    "def f(x):\n\treturn {'a': x ** 2}  # comment\n",
-    "café, naïve, Ångström, Œuvre, ñandú, Straße",
-    "\ttabs\tand  double  spaces\r\nand CRLF",
-    "emoji 😀🤖👍🏽 and CJK 中文字 and RTL عربى",
-    " leading space and trailing space ",
-]
 
 
 @pytest.fixture(scope="module")

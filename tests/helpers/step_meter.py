@@ -30,7 +30,7 @@ peak) and, for reference, each part's own peak.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -120,12 +120,16 @@ class StepStateMeter:
                 "peak_grads_bytes": self.peak_grads}
 
 
-def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[str, Any]:
-    """Run ``steps`` real training steps (model, ZeRO optimizer, schedule); this rank's peak bytes."""
+def run_metered(pstate: ParallelState, cfg: Config, steps: int = 2,
+                on_built: Callable[[list[torch.nn.Module], DistributedOptimizer], None] = lambda chunks, opt: None,
+                ) -> tuple[DistributedOptimizer, dict[str, Any]]:
+    """Build ``cfg``'s training model (``on_built`` sees it before the first step) and run ``steps`` real steps
+    (model, ZeRO optimizer, schedule) under a ``StepStateMeter``: (the optimizer, the meter's record)."""
     torch.manual_seed(cfg.training.seed)
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     opt = parallelize(chunks, plan, pstate, cfg).optimizer
+    on_built(chunks, opt)
     schedule = build_schedule(plan)
     batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
     with StepStateMeter(opt) as meter:
@@ -133,4 +137,10 @@ def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[st
             opt.zero_grad()
             schedule(chunks, batches.next_step(), pstate, opt.no_sync)
             opt.step(1e-3)
-    return {**meter.record(), "pp_rank": pstate.pp_rank, "rank": pstate.rank}
+    return opt, meter.record()
+
+
+def measure_steps(pstate: ParallelState, cfg: Config, steps: int = 2) -> dict[str, Any]:
+    """Run ``steps`` real training steps; this rank's peak bytes."""
+    _, record = run_metered(pstate, cfg, steps)
+    return {**record, "pp_rank": pstate.pp_rank, "rank": pstate.rank}

@@ -26,13 +26,9 @@ from megazero.config import Config, ConfigError, ModelConfig, Placement
 from megazero.memory import GIB, Hardware, PlanSpec, format_candidates, plan_memory, search_layouts
 from megazero.memory.offload import STATE_BYTES, OffloadHardware, offload_seconds
 from megazero.optimizer.accounting import measured_state_bytes
-from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
-from tests.helpers.batches import SyntheticBatches
 from tests.helpers.dist import spawn
-from tests.helpers.step_meter import StepStateMeter
+from tests.helpers.step_meter import run_metered
 from tests.helpers.tool_module import load_tool
 
 MODELS = {
@@ -65,17 +61,8 @@ def measured(pstate, folder: str) -> list[dict]:
     """Per run: this rank's device peak over two real steps and the optimizer's host / disk record."""
     out = []
     for run in RUNS:
-        cfg = _config(*run, folder)
-        plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-        chunks = build_model_chunks(cfg, plan, pstate)
-        opt = parallelize(chunks, plan, pstate, cfg).optimizer
-        schedule, batches = build_schedule(plan), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
-        with StepStateMeter(opt) as meter:
-            for _ in range(2):
-                opt.zero_grad()
-                schedule(chunks, batches.next_step(), pstate, opt.no_sync)
-                opt.step(1e-3)
-        out.append({**meter.record(), **{k: v for k, v in measured_state_bytes(opt).items() if k in EXACT}})
+        opt, record = run_metered(pstate, _config(*run, folder))
+        out.append({**record, **{k: v for k, v in measured_state_bytes(opt).items() if k in EXACT}})
         opt.close()
     return out
 

@@ -20,18 +20,15 @@ One gloo world per layout (dp 2; tp 2 x pp 2 x dp 2), both modes trained in it:
 """
 from __future__ import annotations
 
-import torch
 
 from megazero.config import Config
 from megazero.data_parallel.engine import MAX_INFLIGHT_BUCKETS
 from megazero.memory import PlanSpec, plan_memory
 from megazero.optimizer.accounting import measured_state_bytes
-from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
-from tests.helpers.batches import SyntheticBatches
 from tests.helpers.dist import spawn
-from tests.helpers.optimizer_harness import build, compare_runs, failures, make_cfg, tolerance, train
-from tests.helpers.step_meter import StepStateMeter
+from tests.helpers.optimizer_harness import compare_runs, failures, make_cfg, tolerance, train
+from tests.helpers.step_meter import run_metered
 
 M, BUCKET = 4, 20_000  # micro-batches per step; buckets large enough that padding stays < 0.5%
 MODES = {"once": False, "every": True}
@@ -72,25 +69,19 @@ def train_modes(pstate, tp: int, pp: int) -> dict:
 
 def measure_memory(pstate, cfg: Config) -> dict:
     """Two real steps: the model state at every forward's start, and the step's peak (``StepStateMeter``)."""
-    torch.manual_seed(cfg.training.seed)
-    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks, opt = build(pstate, cfg)
     at_forward: list[dict] = []
 
-    def sample(module, args) -> None:
-        held = measured_state_bytes(opt)
-        live = sum(b.grad is not None for buf in opt.buffers for b in buf.buckets)
-        at_forward.append({**held, "live_buckets": live})
+    def sample_each_forward(chunks, opt) -> None:
+        def sample(module, args) -> None:
+            held = measured_state_bytes(opt)
+            live = sum(b.grad is not None for buf in opt.buffers for b in buf.buckets)
+            at_forward.append({**held, "live_buckets": live})
 
-    for chunk in chunks:
-        chunk.register_forward_pre_hook(sample)
-    schedule, batches = build_schedule(plan), SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
-    with StepStateMeter(opt) as meter:
-        for _ in range(2):
-            opt.zero_grad()
-            schedule(chunks, batches.next_step(), pstate, opt.no_sync)
-            opt.step(1e-3)
-    return {"at_forward": at_forward, "peak": meter.record()}
+        for chunk in chunks:
+            chunk.register_forward_pre_hook(sample)
+
+    _, peak = run_metered(pstate, cfg, on_built=sample_each_forward)
+    return {"at_forward": at_forward, "peak": peak}
 
 
 def run_dp2(pstate) -> dict:

@@ -17,7 +17,7 @@ import pytest
 from megazero.arguments import parse_config
 from megazero.config import Config, ConfigError
 from megazero.optimizer.lr import LRSchedule
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, launch
 
 
 def _from_yaml(tmp_path, text: str, *flags: str) -> Config:
@@ -114,3 +114,16 @@ def test_a_preset_with_a_float_written_without_a_dot_trains(tmp_path):
     flags, _ = parse_config(["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "linear", "--train-iters", "2"])
     schedule = LRSchedule(flags.optimizer, 2)
     assert logged == [schedule(1), schedule(2)] and logged[-1] == pytest.approx(3e-5), logged
+
+
+def test_a_bad_preset_stops_every_rank_in_one_line(tmp_path):
+    """An unknown choice and a misspelled key in a YAML preset: every rank of a 2-rank run exits 2 before any
+    process group exists, with the one line naming the field and no traceback."""
+    for text, words in (("lr_decay_style: exp", "--lr-decay-style must be constant, linear, cosine or wsd"),
+                        ("hiden_size: 64", "unknown setting 'hiden_size'")):
+        path = tmp_path / "preset.yaml"
+        path.write_text(text + "\n")
+        results = launch("pretrain_gpt.py", ["--config", str(path)], 2, timeout=120)
+        assert [r.returncode for r in results] == [2, 2], [r.stderr[-500:] for r in results]
+        errors = [line for r in results for line in r.stderr.splitlines() if line.strip()]
+        assert errors and all(words in line and "Traceback" not in line for line in errors), errors

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, DataConfig, flag
-from ..context_parallel.doc_blocks import Bounds
+from ..context_parallel.doc_blocks import Bounds, document_blocks, pairs, ring_runs
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,26 @@ def document_bounds(inputs_bs: torch.Tensor, eod_id: int) -> Bounds:
     for row, col in zip(rows.tolist(), cols.tolist()):
         starts[row].append(col + 1)
     return tuple(tuple(s + [seq]) for s in starts)
+
+
+def attended_pairs(bounds: Bounds, ring: tuple[int, int] | None = None) -> int:
+    """(query, key) pairs the block-diagonal causal mask lets attention compute: sum of L(L+1)/2 over
+    the documents. ``ring`` = (ring rank, ring size): only the pairs whose query this ring rank holds
+    (its two load-balanced chunks against every rank's keys: what its ring steps compute).
+    """
+    if ring is None:
+        return sum((e - s) * (e - s + 1) // 2 for cuts in bounds for s, e in zip(cuts[:-1], cuts[1:]))
+    rank, size = ring
+    local_len = bounds[0][-1] // size
+    every_key = [run for src in range(size) for run in ring_runs(src, size, local_len)]
+    return pairs(document_blocks(ring_runs(rank, size, local_len), every_key, bounds))
+
+
+def attended_share(step_bounds: list[Bounds], ring: tuple[int, int] | None = None) -> float:
+    """The step's attended pairs over the pairs full causal attention computes on the same samples
+    (one document per sample): the factor on the attention core's FLOPs (``model.flops``)."""
+    causal = [tuple((0, cuts[-1]) for cuts in bounds) for bounds in step_bounds]
+    return (sum(attended_pairs(b, ring) for b in step_bounds) / sum(attended_pairs(b, ring) for b in causal))
 
 
 def document_positions(bounds: Bounds, device: torch.device | str) -> torch.Tensor:

@@ -172,6 +172,7 @@ class Schedule:
         self.name, self.step, self.timeline, self.packing = name, step, timeline, packing
         self.stage_shape, self.dtype, self.chunks_per_rank = stage_shape, dtype, chunks_per_rank
         self.stats = ScheduleStats()
+        self.documents: list[Documents] | None = None  # the last step's (the trainer's FLOPs count them)
 
     def __call__(self, chunks: list[nn.Module], micro_batches: list[torch.Tensor], pstate: ParallelState,
                  no_sync: NoSync) -> list[torch.Tensor]:
@@ -181,6 +182,7 @@ class Schedule:
         assert micro_batches[0].shape[0] == self.stage_shape[1], (
             f"micro-batches of {micro_batches[0].shape[0]} sequences, but the stages agreed on {self.stage_shape}")
         documents = None if self.packing is None else step_documents(self.packing, micro_batches, pstate)
+        self.documents = documents
         run = StepRunner(chunks, micro_batches, pstate, no_sync, self.timeline,
                          StageLink(pstate, self.stage_shape, self.dtype), documents)
         self.timeline.begin_step()

@@ -24,11 +24,12 @@ from torch import nn
 from ..checkpoint.checkpointer import Checkpointer, NullCheckpointer
 from ..config import Config
 from ..data.sampler import to_device
+from ..model.documents import attended_share
 from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
 from ..optimizer.protocol import TrainingOptimizer
 from ..parallel import collectives as C
-from ..parallel.state import ParallelState
+from ..parallel.state import ParallelState, group_rank, group_size
 from ..parallel.timer import DeviceTimer
 from ..pipeline.runner import Schedule, reduce_loss
 from .evaluate import evaluate
@@ -135,6 +136,8 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers)  # what runs
         self.model_flops_per_token = flops_per_token(cfg.model)  # MFU's numerator leaves recompute out (PaLM)
         self.peak_tflops = device_peak_tflops(pstate.device)
+        ring = (group_rank(pstate.cp_ring_group), group_size(pstate.cp_ring_group))
+        self.ring = ring if ring[1] > 1 else None  # under a ring, this rank counts its own queries' pairs
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
         pstate.ledger.timing = cfg.logging.log_timers
@@ -177,24 +180,37 @@ class Trainer:
                 f"finite; lower --lr (now peak {self.cfg.optimizer.lr}) or check the data, or raise "
                 f"--max-skipped-steps (now {limit}; 0 = never stop).")
 
-    def _mfu(self, tokens_per_step: int, elapsed: float) -> float | None:
+    def _step_flops(self) -> tuple[float, float]:
+        """(FLOPs per token as run, model FLOPs per token) of the step just taken. Under --reset-attention-mask
+        the attention core counts only the pairs the mask left in this rank's micro-batches (their boundaries,
+        found once by the schedule); otherwise the fixed full-causal counts."""
+        docs = self.schedule.documents
+        if not docs or docs[0].bounds is None:
+            return self.flops_per_token, self.model_flops_per_token
+        share = attended_share([d.bounds for d in docs if d.bounds is not None], self.ring)
+        t = self.cfg.training
+        return (flops_per_token(self.cfg.model, t.recompute, t.recompute_num_layers, attended_share=share),
+                flops_per_token(self.cfg.model, attended_share=share))
+
+    def _mfu(self, model_flops_token: float, tokens_per_step: int, elapsed: float) -> float | None:
         """Model FLOPs (no recomputation) per second per device over the device's peak; None without one."""
         if not self.peak_tflops:
             return None
-        model = achieved_tflops(self.model_flops_per_token, tokens_per_step, elapsed, self.pstate.layout.world_size)
+        model = achieved_tflops(model_flops_token, tokens_per_step, elapsed, self.pstate.layout.world_size)
         return model / self.peak_tflops
 
     def _record(self, loss: float, result: Any, lr: float, elapsed: float) -> dict[str, Any]:
         t = self.cfg.training
         tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
-        tflops = achieved_tflops(self.flops_per_token, tokens_per_step, elapsed, self.pstate.layout.world_size)
+        run_flops, model_flops = self._step_flops()
+        tflops = achieved_tflops(run_flops, tokens_per_step, elapsed, self.pstate.layout.world_size)
         record = {
             "iteration": self.iteration, "train_iters": t.train_iters,
             "consumed_samples": self.batches.consumed_samples, "loss": loss, "lr": lr,
             "grad_norm": result.grad_norm, "loss_scale": result.loss_scale, "skipped": result.skipped,
             "skipped_iterations": self.skipped, "nan_iterations": self.nan_iterations,
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
-            "tflops_per_device": tflops, "mfu": self._mfu(tokens_per_step, elapsed),
+            "tflops_per_device": tflops, "mfu": self._mfu(model_flops, tokens_per_step, elapsed),
             "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
             **self.progress.fields(self.iteration),
         }

@@ -20,6 +20,8 @@ from megazero.checkpoint import storage
 from megazero.checkpoint.load import load_rng
 from megazero.checkpoint.save import rng_state
 from megazero.parallel.layout import Layout
+from megazero.model.chunk import blocks_of
+from megazero.model.recompute import apply_recompute
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.run import build_model_chunks
@@ -37,7 +39,10 @@ def _cfg(arch: str = "gpt2", p: float = P, **layout):
 
 
 def _chunks(cfg, pstate: ParallelState) -> list:
-    return build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
+    chunks = build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
+    for chunk in chunks:  # parallelize's first step, the one these tests exercise
+        apply_recompute(blocks_of(chunk), cfg.training.recompute, cfg.training.recompute_num_layers)
+    return chunks
 
 
 def _attention_mask(block) -> torch.Tensor:

@@ -43,6 +43,9 @@ class ParamSpec:
     tied_role: the word embedding tied across the first and last pipeline stage: "embedding" on
         the first stage, "embedding_copy" on the last. Their grads are summed over the embedding
         group, they get a bucket of their own, and the grad norm counts the original only.
+    expert: a mixture-of-experts expert weight, stored [local experts, ...] (dim 0 is this rank's share of
+        the experts over the expert-parallel group; ``split_dim`` then splits over the expert-TP group).
+        Its gradient reduces over the expert-data-parallel group, not dp x cp.
     """
 
     split_dim: int | None = None
@@ -52,6 +55,7 @@ class ParamSpec:
     valid_rows: int | None = None
     weight_decay: bool = True
     tied_role: TiedRole = None
+    expert: bool = False
 
 
 def _decays(param: torch.Tensor) -> bool:

@@ -199,14 +199,19 @@ def broadcast(t: torch.Tensor, src: int, group: Group, async_op: bool = False):
                   lambda: dist.broadcast(t, src=src, group=group, async_op=async_op), async_op, t.device)
 
 
-def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False):
-    """Block i of ``t`` (equal splits along dim 0) goes to group rank i; ``out`` gets block j from rank j."""
+def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group: Group, async_op: bool = False,
+                      out_splits: list[int] | None = None, in_splits: list[int] | None = None):
+    """Block i of ``t`` (along dim 0: equal blocks, or ``in_splits[i]`` rows) goes to group rank i; ``out`` gets
+    block j from rank j (``out_splits[j]`` rows). The block a rank keeps is not counted as sent."""
     if group is None:
         _copy(out, t)
         return _nothing(async_op)
     n = dist.get_world_size(group)
-    return _issue("all_to_all", group, (n - 1) / n * _nbytes(t),
-                  lambda: dist.all_to_all_single(out, t, group=group, async_op=async_op), async_op, t.device)
+    row_bytes = _nbytes(t) // t.shape[0] if t.shape[0] else 0
+    kept = t.shape[0] // n if in_splits is None else in_splits[dist.get_rank(group)]
+    return _issue("all_to_all", group, _nbytes(t) - kept * row_bytes,
+                  lambda: dist.all_to_all_single(out, t, out_splits, in_splits, group=group, async_op=async_op),
+                  async_op, t.device)
 
 
 def batch_isend_irecv(ops: list[dist.P2POp], group: Group) -> list:

@@ -46,6 +46,8 @@ class ParamSpec:
     expert: a mixture-of-experts expert weight, stored [local experts, ...] (dim 0 is this rank's share of
         the experts over the expert-parallel group; ``split_dim`` then splits over the expert-TP group).
         Its gradient reduces over the expert-data-parallel group, not dp x cp.
+    first_expert: an expert weight's global expert id of its local expert 0 (ep rank x local experts).
+    expert_tp_rank: an expert weight's rank in the expert-TP group: which slice along ``split_dim`` it holds.
     """
 
     split_dim: int | None = None
@@ -56,6 +58,8 @@ class ParamSpec:
     weight_decay: bool = True
     tied_role: TiedRole = None
     expert: bool = False
+    first_expert: int = 0
+    expert_tp_rank: int = 0
 
 
 def _decays(param: torch.Tensor) -> bool:
@@ -123,12 +127,25 @@ def initialize_parameters(module: nn.Module, seed: int, tp_group) -> None:
         if spec.init_std is None:
             param.fill_(spec.init_value)
             continue
+        if spec.expert:
+            _fill_experts(param, spec, seed, name)
+            continue
         dim = 0 if spec.split_dim is None else spec.split_dim
         start = 0 if spec.split_dim is None else rank * param.shape[dim]
         fill_normal_slice(param, seed=seed, name=name, std=spec.init_std, dim=dim, start=start)
         if spec.valid_rows is not None:
             first_row = start if dim == 0 else 0
             param[max(0, spec.valid_rows - first_row):].zero_()
+
+
+def _fill_experts(param: torch.Tensor, spec: ParamSpec, seed: int, name: str) -> None:
+    """Draw each local expert as the serial model draws it: seeded by "<name>.<global expert id>" and blocked
+    along the expert's own split dim, so any ep and etp give the weights of ep 1, etp 1."""
+    dim = 0 if spec.split_dim is None else spec.split_dim - 1
+    start = 0 if spec.split_dim is None else spec.expert_tp_rank * param.shape[spec.split_dim]
+    for local, expert in enumerate(param):
+        fill_normal_slice(expert, seed=seed, name=f"{name}.{spec.first_expert + local}", std=spec.init_std,
+                          dim=dim, start=start)
 
 
 def materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> None:

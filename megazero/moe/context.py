@@ -1,0 +1,52 @@
+"""What a mixture-of-experts layer needs to know about the parallel layout: its groups, nothing else.
+
+The MoE layer sits on two grids at once: its input arrives on the dense one (``tp_group``, with or
+without sequence parallelism; ``tp_cp_group`` the ranks sharing one sequence, over which the router
+reduces its token counts) and its experts live on the expert one (``ep_group`` spreads the experts,
+``etp_group`` splits each expert's weights). A group of one rank is ``None``, as everywhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from ..parallel.collectives import Group
+from ..parallel.state import group_rank, group_size
+
+Dispatcher = Literal["alltoall", "allgather"]
+
+
+@dataclass(frozen=True)
+class ExpertContext:
+    """The groups of one MoE layer and how tokens travel between them.
+
+    dispatcher: "alltoall" (dropless by default; tokens go only where their experts live) or
+        "allgather" (every rank sees every token of its ep group; cheaper for small ep and large k).
+    """
+
+    ep_group: Group = None
+    etp_group: Group = None
+    tp_cp_group: Group = None
+    tp_group: Group = None
+    sequence_parallel: bool = False
+    dispatcher: Dispatcher = "alltoall"
+
+    @property
+    def ep(self) -> int:
+        return group_size(self.ep_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return group_rank(self.ep_group)
+
+    @property
+    def etp(self) -> int:
+        return group_size(self.etp_group)
+
+    @property
+    def etp_rank(self) -> int:
+        return group_rank(self.etp_group)
+
+    @property
+    def tp(self) -> int:
+        return group_size(self.tp_group)

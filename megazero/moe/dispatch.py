@@ -1,0 +1,157 @@
+"""Token dispatch and combine: this rank's routed tokens to the ranks holding their experts, and back.
+
+Legend: T tokens on this rank, k choices per token, E experts, L = E / ep local experts, H hidden,
+A assignments that travel. An assignment is one (token, choice) pair; its "slot" is t * k + j in
+the flattened [T, k] routing.
+
+- ``AllToAllDispatcher`` (default): counts per (source rank, expert) are exchanged first, then the
+  token rows with uneven splits; a receiver sorts them by local expert, runs its experts, unsorts
+  and sends the outputs back. Routing weights never travel: the weighting and the sum over the k
+  choices happen where the token lives.
+- ``AllGatherDispatcher``: every rank of the ep group gathers all its tokens (and weights), runs its
+  experts on those routed to them, weights them and reduce-scatters the sums home.
+
+With a capacity (``Capacity``), each expert takes at most ceil(cf * T * k / E) assignments of each
+rank's tokens (Megatron's rule), chosen by routing weight or by position; the dropped ones
+contribute 0. Padding fills every expert to exactly its capacity with zero rows of weight 0, so every
+exchange has a fixed size.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, NamedTuple
+
+import torch
+
+from ..parallel import collectives as C
+from ..tensor_parallel.comm import reduce_scatter_to_sequence_parallel_region
+from .comm import all_gather_rows, all_to_all_rows
+from .context import ExpertContext
+from .experts import GroupedExperts, expert_ids
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Token dropping: ``factor`` x an even share per expert; ``policy`` says whom to drop; ``pad`` fills up."""
+
+    factor: float
+    policy: Literal["probs", "position"] = "probs"
+    pad: bool = False
+
+    def per_expert(self, tokens: int, topk: int, num_experts: int) -> int:
+        return math.ceil(tokens * topk / num_experts * self.factor)
+
+
+def kept_slots(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
+               capacity: Capacity | None) -> torch.Tensor:
+    """The slots that travel, sorted by expert (then by drop priority): [A] int64."""
+    flat_e = experts_TK.reshape(-1)
+    if capacity is None:
+        return torch.argsort(flat_e, stable=True)
+    # priority order first (highest weight, or earliest token), then a stable sort by expert keeps it per expert
+    if capacity.policy == "probs":
+        priority = torch.argsort(probs_TK.detach().reshape(-1), descending=True, stable=True)
+    else:
+        priority = torch.arange(flat_e.numel(), device=flat_e.device)
+    order = priority[torch.argsort(flat_e[priority], stable=True)]
+    counts = torch.bincount(flat_e, minlength=num_experts)
+    rank_in_expert = torch.arange(order.numel(), device=order.device) - (counts.cumsum(0) - counts)[flat_e[order]]
+    cap = capacity.per_expert(experts_TK.shape[0], experts_TK.shape[1], num_experts)
+    return order[rank_in_expert < cap]
+
+
+class Plan(NamedTuple):
+    """What travels: ``token[a]`` (T = a zero row of padding), ``slot[a]`` (T * k = a weight of 0), sorted by
+    expert, ``per_expert[e]`` of them for expert e."""
+
+    token: torch.Tensor
+    slot: torch.Tensor
+    per_expert: torch.Tensor
+
+
+def make_plan(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int,
+              capacity: Capacity | None) -> Plan:
+    """The assignments to send, padded to capacity where asked."""
+    tokens, topk = experts_TK.shape
+    slot = kept_slots(experts_TK, probs_TK, num_experts, capacity)
+    expert = experts_TK.reshape(-1)[slot]
+    per_expert = torch.bincount(expert, minlength=num_experts)
+    if capacity is None or not capacity.pad:
+        return Plan(slot // topk, slot, per_expert)
+    cap = capacity.per_expert(tokens, topk, num_experts)
+    rank_in_expert = torch.arange(slot.numel(), device=slot.device) - (per_expert.cumsum(0) - per_expert)[expert]
+    where = expert * cap + rank_in_expert  # kept assignments first in each expert's block, padding after
+    padded_slot = torch.full((num_experts * cap,), tokens * topk, dtype=slot.dtype, device=slot.device)
+    padded_slot[where] = slot
+    return Plan(padded_slot // topk, padded_slot, torch.full_like(per_expert, cap))
+
+
+def _with_padding_row(x_TH: torch.Tensor, probs_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x with a zero row T appended, and the flat weights with a 0 at T * k (what padding assignments read)."""
+    x_pad = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))])
+    probs_pad = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
+    return x_pad, probs_pad
+
+
+def combine_weighted(out_AH: torch.Tensor, plan: Plan, probs_pad: torch.Tensor, tokens: int) -> torch.Tensor:
+    """sum over a token's kept choices of weight x expert output: [T, H] in the activations' dtype."""
+    weighted = out_AH * probs_pad[plan.slot].unsqueeze(-1)  # promoted: fp32 weights, bf16 rows add in fp32
+    y = weighted.new_zeros((tokens + 1, out_AH.shape[1])).index_add(0, plan.token, weighted)
+    return y[:tokens].to(out_AH.dtype)
+
+
+class AllToAllDispatcher:
+    """Dropless (or capacity-bound) all-to-all over the ep group; see the module docstring."""
+
+    def __init__(self, num_experts: int, ctx: ExpertContext, capacity: Capacity | None) -> None:
+        self.num_experts, self.ctx, self.capacity = num_experts, ctx, capacity
+
+    def __call__(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        ep, group = self.ctx.ep, self.ctx.ep_group
+        plan = make_plan(experts_TK, probs_TK, self.num_experts, self.capacity)
+        x_pad, probs_pad = _with_padding_row(x_TH, probs_TK)
+        received = torch.empty_like(plan.per_expert)  # [ep * L]: rows for each local expert from each source
+        C.all_to_all_single(received, plan.per_expert, group)
+        received_EL = received.view(ep, -1)
+        send_splits = plan.per_expert.view(ep, -1).sum(1).tolist()
+        recv_splits = received_EL.sum(1).tolist()
+        rows = all_to_all_rows(x_pad[plan.token], group, recv_splits, send_splits)  # [source][local expert]
+        counts = received_EL.sum(0).tolist()
+        if ep == 1:
+            out = experts(rows, counts)
+        else:
+            order = torch.argsort(torch.cat([expert_ids(row) for row in received_EL]), stable=True)
+            out = experts(rows[order], counts)[torch.argsort(order)]
+        back = all_to_all_rows(out, group, send_splits, recv_splits)  # in the order sent: plan's assignments
+        return combine_weighted(back, plan, probs_pad, x_TH.shape[0])
+
+
+class AllGatherDispatcher:
+    """Every ep rank sees the group's tokens; outputs are weighted there and reduce-scattered home."""
+
+    def __init__(self, num_experts: int, ctx: ExpertContext, capacity: Capacity | None) -> None:
+        self.num_experts, self.ctx, self.capacity = num_experts, ctx, capacity
+
+    def __call__(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        group, local = self.ctx.ep_group, experts.num_local
+        dropped = torch.ones(experts_TK.numel(), dtype=torch.bool, device=experts_TK.device)
+        dropped[kept_slots(experts_TK, probs_TK, self.num_experts, self.capacity)] = False
+        chosen_TK = experts_TK.masked_fill(dropped.view_as(experts_TK), -1)  # -1: no expert anywhere
+        every_TK = torch.empty((self.ctx.ep * chosen_TK.shape[0], chosen_TK.shape[1]), dtype=chosen_TK.dtype,
+                               device=chosen_TK.device)
+        C.all_gather_into_tensor(every_TK, chosen_TK, group)
+        x_all, probs_all = all_gather_rows(x_TH, group), all_gather_rows(probs_TK, group)
+        first = self.ctx.ep_rank * local
+        mine = (every_TK >= first) & (every_TK < first + local)
+        slot = torch.nonzero(mine.reshape(-1)).squeeze(1)
+        slot = slot[torch.argsort(every_TK.reshape(-1)[slot], stable=True)]  # sorted by local expert
+        counts = torch.bincount(every_TK.reshape(-1)[slot] - first, minlength=local)
+        topk = experts_TK.shape[1]
+        out = experts(x_all[slot // topk], counts.tolist())
+        plan = Plan(slot // topk, slot, counts)
+        y_all = combine_weighted(out, plan, torch.cat([probs_all.reshape(-1), probs_all.new_zeros(1)]),
+                                 x_all.shape[0])
+        return reduce_scatter_to_sequence_parallel_region(y_all, group)

@@ -139,6 +139,7 @@ def _typed(value: Any, kind: type, is_list: bool, names: str) -> Any:
     """``value`` as ``kind`` (or a list of it) where that is unambiguous; ConfigError otherwise."""
     if is_list:
         items = value.split() if isinstance(value, str) else value  # YAML 'W1 P1 W2 P2', as the flag takes it
+        items = [items] if isinstance(items, numbers.Real) and not isinstance(items, bool) else items  # YAML `2`
         if isinstance(items, (list, tuple)) and all(isinstance(v, (str, int, float)) and not isinstance(v, bool)
                                                     for v in items):
             return [str(v) for v in items]  # a blend weight written as a YAML number stays the text it was

@@ -8,10 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config_fields import check_fields, opt, require
+from .moe_config import MoEFields
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(MoEFields):
     arch: str = opt("gpt2", "Model family: gpt2 (learned positions, LayerNorm, GELU, tied embeddings, biases) "
                     "or llama (RoPE, RMSNorm, SwiGLU, no biases, GQA).", choices=("gpt2", "llama"))
     num_layers: int = opt(4, "Number of transformer blocks.", at_least=1)
@@ -59,6 +60,7 @@ class ModelConfig:
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
                  f"({self.seq_length}).")
         self._check_rope_scaling()
+        self._check_moe(self.num_layers)
 
     def _check_rope_scaling(self) -> None:
         """Scaling values must make sense, and never be given without a type that uses them."""

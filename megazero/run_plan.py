@@ -111,7 +111,9 @@ class RunPlan:
     def resolve(cls, cfg: Config, world_size: int) -> "RunPlan":
         """Lay ``world_size`` ranks out for ``cfg``, validate and derive the plan; raises ConfigError naming
         the flag. The planner passes the world of a layout it only considers (tp x cp x pp x dp)."""
-        layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp)
+        _check_experts(cfg)
+        layout = Layout.from_world(world_size, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.cp,
+                                   ep=cfg.parallel.ep, etp=cfg.parallel.expert_tensor_parallel_size)
         _check_tensor_parallel(cfg)
         cp_split = _check_context_parallel(cfg)
         micro_batches = _micro_batches(cfg, layout.dp)
@@ -148,6 +150,14 @@ class RunPlan:
     @property
     def cp(self) -> int:
         return self.layout.cp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp(self) -> int:
+        return self.layout.expert_tp
 
     @property
     def world_size(self) -> int:
@@ -251,6 +261,27 @@ def _check_tensor_parallel(cfg: Config) -> None:
     require(not cfg.parallel.sequence_parallel or m.seq_length % (tp * cp) == 0,
              f"--seq-length ({m.seq_length}) must be divisible by --tp ({tp})"
              f"{f' x --cp ({cp})' if cp > 1 else ''} with --sequence-parallel.")
+
+
+def _check_experts(cfg: Config) -> None:
+    """The expert grid must suit the model: experts split evenly over --ep, expert widths over --etp, and
+    sequence parallelism under TP (as Megatron requires: the MoE layer takes its tokens sequence-sharded)."""
+    p, m = cfg.parallel, cfg.model
+    experts = m.num_experts
+    if experts is None:
+        for name, value, unset in (("--ep", p.ep, 1), ("--etp", p.expert_tensor_parallel_size, None)):
+            require(value == unset, f"{name} {value} needs a mixture-of-experts model; pass --num-experts E or "
+                                    f"drop {name}.")
+        return
+    require(experts % p.ep == 0, f"--num-experts ({experts}) must be divisible by --expert-model-parallel-size/--ep "
+                                 f"({p.ep}); pick an --ep that divides E.")
+    for what, width, axis, size in (  # the shared expert is a dense MLP, split over tp like the others
+            ("--moe-ffn-hidden-size", m.moe_ffn_size, "--etp", p.etp),
+            ("--moe-shared-expert-intermediate-size", m.moe_shared_expert_intermediate_size, "--tp", p.tp)):
+        require(width is None or width % size == 0, f"{what} ({width}) must be divisible by {axis} ({size}); "
+                                                    f"choose a width that splits evenly.")
+    require(p.tp == 1 or p.sequence_parallel, f"--num-experts with --tp {p.tp} needs --sequence-parallel (the MoE "
+                                              f"layer routes sequence-sharded tokens, as in Megatron); add it.")
 
 
 def _check_context_parallel(cfg: Config) -> CPSplit:

@@ -7,13 +7,15 @@ Ranks vary fastest along tp, then cp, then dp, then pp (Megatron's tp-cp-dp-pp o
 so a TP group is a run of consecutive ranks (one node), a CP group the next
 tightest (its K/V exchange is per layer), and the DP groups of one pipeline
 stage sit next to each other. CP ranks hold the same weights, so gradients are
-averaged, and ZeRO shards cut, over the dp x cp group.
+averaged, and ZeRO shards cut, over the dp x cp group. Mixture-of-experts layers fold a second grid,
+etp x ep x edp x pp, over the same ranks (``expert_layout.py``; ``Layout.expert``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from ..config import ConfigError
+from .expert_layout import ExpertGrid
 
 
 @dataclass(frozen=True)
@@ -30,24 +32,42 @@ class Layout:
     dp: int
     pp: int
     cp: int = 1
+    ep: int = 1  # expert-parallel degree (--ep): the experts are spread over ep ranks
+    etp: int | None = None  # expert-tensor-parallel degree (--etp); None = tp, stored as tp
 
     def __post_init__(self) -> None:
-        assert min(self.tp, self.dp, self.pp, self.cp) >= 1, self
+        assert min(self.tp, self.dp, self.pp, self.cp, self.ep) >= 1, self
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+        assert self.world_size % (self.expert_tp * self.ep * self.pp) == 0, self
 
     @classmethod
-    def from_world(cls, world_size: int, tp: int, pp: int, cp: int = 1) -> "Layout":
-        """Derive dp = world / (tp * cp * pp); a world that does not factor is a clear error."""
+    def from_world(cls, world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                   etp: int | None = None) -> "Layout":
+        """Derive dp = world / (tp * cp * pp) and fold the expert grid; a world that does not factor is a clear
+        error (ConfigError naming the flags)."""
         fixed = tp * cp * pp
         if fixed > world_size or world_size % fixed != 0:
             named = f"--tp {tp} x --cp {cp} x --pp {pp}" if cp > 1 else f"--tp {tp} x --pp {pp}"
             change = "--tp/--cp/--pp" if cp > 1 else "--tp/--pp"
             raise ConfigError(f"world size {world_size} is not divisible by {named} = {fixed}; "
                               f"launch a multiple of {fixed} processes or change {change}.")
-        return cls(tp=tp, dp=world_size // fixed, pp=pp, cp=cp)
+        ExpertGrid.fold(world_size, pp, ep, tp if etp is None else etp)
+        return cls(tp=tp, dp=world_size // fixed, pp=pp, cp=cp, ep=ep, etp=etp)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def expert_tp(self) -> int:
+        """--etp as given, or tp (what ``etp`` holds once built; an int for type checkers)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert(self) -> ExpertGrid:
+        """The expert grid etp x ep x edp x pp over the same ranks (``expert_layout.py``)."""
+        return ExpertGrid.fold(self.world_size, self.pp, self.ep, self.expert_tp)
 
     def rank(self, tp: int, dp: int, pp: int, cp: int = 0) -> int:
         return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
@@ -85,6 +105,10 @@ class Layout:
     def pp_groups(self) -> list[list[int]]:
         return self._groups(("pp",))
 
+    def tp_cp_groups(self) -> list[list[int]]:
+        """The ranks that share one sequence (tp x cp): routing counts reduce over them."""
+        return self._groups(("tp", "cp"))
+
     def model_parallel_groups(self) -> list[list[int]]:
         """tp x pp ranks holding one full model replica (grad-norm and loss-scale agreement)."""
         return self._groups(("tp", "pp"))
@@ -104,7 +128,9 @@ class Layout:
 
     def __str__(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
-        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} (world {self.world_size})"
+        experts = f" ep={self.ep}" if self.ep > 1 else ""
+        experts += f" etp={self.etp}" if self.etp != self.tp else ""
+        return f"tp={self.tp}{cp} pp={self.pp} dp={self.dp}{experts} (world {self.world_size})"
 
 
 # -- nodes: where the grid's groups land ------------------------------------------------------------
@@ -178,5 +204,6 @@ def describe_nodes(layout: Layout, node_of_rank: list[int]) -> str:
         where += "" if node_of_rank == sorted(node_of_rank) else ", ranks not numbered node by node"
     parts = [where] + [_node_span(name, groups, node_of_rank) for name, groups in
                        (("tp", layout.tp_groups()), ("cp", layout.cp_groups() if layout.cp > 1 else []),
-                        ("dp", layout.dp_groups()), ("pp", layout.pp_groups())) if groups]
+                        ("dp", layout.dp_groups()), ("ep", layout.expert.ep_groups() if layout.ep > 1 else []),
+                        ("pp", layout.pp_groups())) if groups]
     return "; ".join(parts + [_stage_nodes(layout, node_of_rank)])

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import CommLedger, Group, all_gather_object
+from .expert_layout import ExpertCoords
 from .layout import Coords, Layout
 
 
@@ -47,6 +48,10 @@ class ParallelState:
     pp_group: Group = None
     model_parallel_group: Group = None
     embedding_group: Group = None
+    tp_cp_group: Group = None  # the ranks that share one sequence (tp x cp): routing token counts reduce here
+    ep_group: Group = None  # expert grid (expert_layout.py): the experts spread over it, tokens dispatched in it
+    etp_group: Group = None  # one expert's weights split over it (the tp group when --etp = --tp)
+    edp_group: Group = None  # same expert shard: expert gradients average here (dp_cp's group when they agree)
     world_group: Group = None  # every rank (stop signal, checkpoint votes, start-up records)
     ledger: CommLedger = field(default_factory=CommLedger)  # bytes and blocked time of these groups
 
@@ -74,7 +79,8 @@ class ParallelState:
                              ("emb", layout.embedding_groups()), ("cp", layout.cp_groups()),
                              ("dp_cp", layout.dp_cp_groups() if layout.cp > 1 else []),
                              ("cp_a2a", a2a_groups if 1 < cp_a2a < layout.cp else []),
-                             ("cp_ring", rings if 1 < cp_a2a < layout.cp else [])):
+                             ("cp_ring", rings if 1 < cp_a2a < layout.cp else []),
+                             *_expert_group_lists(layout)):
             mine[name] = None
             for ranks in groups:
                 if len(ranks) == 1:
@@ -87,6 +93,7 @@ class ParallelState:
             mine["dp_cp"] = mine["dp"]
         if not 1 < cp_a2a < layout.cp:  # a pure form: the one CP group does both jobs (or neither)
             mine["cp_a2a"], mine["cp_ring"] = (mine["cp"], None) if cp_a2a > 1 else (None, mine["cp"])
+        _reuse_dense_groups(layout, mine)
         ledger = CommLedger()
         named: list[Group] = []
         for name, handle in mine.items():  # a group doing two jobs keeps its first name (dp_cp at cp 1 is "dp")
@@ -97,6 +104,7 @@ class ParallelState:
                    tp_group=mine["tp"], dp_group=mine["dp"], pp_group=mine["pp"], cp_group=mine["cp"],
                    dp_cp_group=mine["dp_cp"], cp_a2a_group=mine["cp_a2a"], cp_ring_group=mine["cp_ring"],
                    model_parallel_group=mine["mp"], embedding_group=mine["emb"], world_group=mine["world"],
+                   tp_cp_group=mine["tp_cp"], ep_group=mine["ep"], etp_group=mine["etp"], edp_group=mine["edp"],
                    ledger=ledger)
 
     # -- where this rank sits ---------------------------------------------------------------
@@ -142,6 +150,36 @@ class ParallelState:
     def dp_cp(self) -> int:
         return self.layout.dp * self.layout.cp
 
+    # -- the expert grid (etp x ep x edp x pp over the same ranks) ------------------------------------
+    @property
+    def expert_coords(self) -> ExpertCoords:
+        return self.layout.expert.coords(self.rank)
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp(self) -> int:
+        return self.layout.expert_tp
+
+    @property
+    def edp(self) -> int:
+        return self.layout.expert.edp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.expert_coords.ep
+
+    @property
+    def etp_rank(self) -> int:
+        return self.expert_coords.etp
+
+    @property
+    def edp_rank(self) -> int:
+        """This rank's index in its expert-data-parallel group (its ZeRO shard of expert state)."""
+        return self.expert_coords.edp
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -158,6 +196,26 @@ class ParallelState:
     def is_logging_rank(self) -> bool:
         """The rank that knows the loss and prints: last stage, first TP, CP and DP rank."""
         return self.is_last_stage and self.tp_rank == 0 and self.dp_rank == 0 and self.cp_rank == 0
+
+
+def _expert_group_lists(layout: Layout) -> list[tuple[str, list[list[int]]]]:
+    """The groups only MoE needs, each created only where no dense group already holds the same ranks."""
+    grid = layout.expert
+    return [("tp_cp", layout.tp_cp_groups() if layout.tp > 1 and layout.cp > 1 else []),
+            ("ep", grid.ep_groups()),  # always its own group: the ledger's ep axis (all-to-all bytes)
+            ("etp", grid.etp_groups() if grid.etp_groups() != layout.tp_groups() else []),
+            ("edp", grid.edp_groups() if grid.edp_groups() != layout.dp_cp_groups() else [])]
+
+
+def _reuse_dense_groups(layout: Layout, mine: dict[str, Group]) -> None:
+    """Point the expert names at the dense groups with the same ranks (a dense run creates no extra group)."""
+    if not (layout.tp > 1 and layout.cp > 1):
+        mine["tp_cp"] = mine["tp"] if layout.cp == 1 else mine["cp"]
+    grid = layout.expert
+    if grid.etp_groups() == layout.tp_groups():
+        mine["etp"] = mine["tp"]
+    if grid.edp_groups() == layout.dp_cp_groups():
+        mine["edp"] = mine["dp_cp"]
 
 
 def default_device(choice: str = "auto") -> torch.device:

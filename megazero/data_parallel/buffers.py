@@ -12,7 +12,8 @@ and are padded to a multiple of ``num_shards`` (the reduction group's size under
 ZeRO 1/2/3, else 1) so every rank owns an equal, contiguous 1/num_shards slice
 of each bucket: its *shard*. A tied word embedding gets a bucket of its own, so
 the first and last pipeline stage shard it identically and can sum their shards
-over the embedding group.
+over the embedding group. A chunk's mixture-of-experts expert weights (``ParamSpec.expert``)
+fill a buffer of their own (``expert``), sharded over the expert-data-parallel group.
 
 Gradient storage depends on the ``ZeroStage`` (``stage``):
 - not ``shards_gradients`` (ZeRO 0/1): one persistent full-size grad buffer;
@@ -140,8 +141,10 @@ class ParamGradBuffer:
 
     def __init__(self, params: list[nn.Parameter], *, bucket_size: int, num_shards: int, shard_rank: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, stage: ZeroStage, device: torch.device,
-                 unit_of: dict[nn.Parameter, int] | None = None, param_store: Callable | None = None) -> None:
+                 unit_of: dict[nn.Parameter, int] | None = None, param_store: Callable | None = None,
+                 expert: bool = False) -> None:
         self.params = list(reversed(params))  # backward order
+        self.expert = expert  # holds expert weights: reduced and sharded over the expert-data-parallel group
         self.num_shards, self.grad_dtype, self.param_dtype, self.stage = num_shards, grad_dtype, param_dtype, stage
         self.buckets, self.offsets = plan_buckets(self.params, bucket_size, num_shards, shard_rank, unit_of)
         self.numel = sum(b.numel for b in self.buckets)

@@ -4,10 +4,11 @@ Per step, for every bucket of every model chunk (``buffers.py``):
 
     backward hooks      p.grad -> p.main_grad (accumulate), p.grad = None
     bucket complete     (outside ``no_sync``; reducing every micro-batch: always) launch its
-                        reduction over the reduction group (``ReductionGroup``: the DP group),
+                        reduction over its buffer's reduction group (``ReductionGroup``: dp x cp;
+                        a buffer of expert weights: the expert-data-parallel group),
                         async, by the policy picked once at construction from the stage and
                         the plan's ``GradReduction`` (``reduction.py``):
-                          ZeRO 0: all-reduce the bucket (pre-divided by dp)
+                          ZeRO 0: all-reduce the bucket (pre-divided by dp x cp)
                           ZeRO 1: reduce-scatter it in place into this rank's shard
                           ZeRO 2: reduce-scatter it into the persistent grad shard, then
                                   free the full-size bucket gradient
@@ -73,6 +74,7 @@ from ..parallel import collectives as C
 from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
 from ..run_plan import GradReduction, StatePlacement, UnitGathering, ZeroStage
+from ..tensor_parallel.layers import spec_of
 from .buffers import Bucket, ParamGradBuffer
 from .host_transfers import HostTransfers, disk_buffer_width
 from .param_offload import param_shard_factory
@@ -106,25 +108,33 @@ class EngineSettings:
 
 
 class GradSyncEngine:
-    """Bucketed buffers of ``modules`` and their reduction/gather over ``group`` (default: the DP group) by
-    ``settings``.
+    """Bucketed buffers of ``modules`` and their reduction/gather by ``settings``.
 
-    ``pstate`` gives the device and the replicated-grad groups (TP, embedding). Building it hooks the
+    Each chunk has a buffer of dense parameters, reduced and sharded over dp x cp (``group``), and, when it
+    holds mixture-of-experts expert weights (``ParamSpec.expert``), a buffer of those, reduced and sharded
+    over the expert-data-parallel group (``groups[True]``, ``ReductionGroup.experts_of``); ``buffers`` lists
+    them all. ``pstate`` gives the device and the replicated-grad groups (TP, embedding). Building it hooks the
     model, in this order: the per-parameter gradient hooks (into main grads, buckets launch), ZeRO 3's
     units (gather/free around each unit; their grad hooks run after the buckets'), the gather waits
     (``overlap_param_gather``). Whatever the engine makes it closes (``close``).
     """
 
-    def __init__(self, modules: list[nn.Module], pstate: ParallelState, settings: EngineSettings = EngineSettings(),
-                 group: ReductionGroup | None = None) -> None:
+    def __init__(self, modules: list[nn.Module], pstate: ParallelState,
+                 settings: EngineSettings = EngineSettings()) -> None:
         self.settings, self.stage = settings, settings.stage
-        self.pstate, self.group = pstate, group or ReductionGroup.of(pstate)
+        self.pstate, self.group = pstate, ReductionGroup.of(pstate)
         stage, gathering = self.stage, settings.units
-        self.reduction = reduction_for(stage, self.group, settings.grad_reduction or GradReduction.of(stage))
+        has_experts = any(spec_of(p).expert for m in modules for p in m.parameters())
+        # keyed by ``ParamGradBuffer.expert``; ParallelState asked for the expert grid only when it is used
+        self.groups = {False: self.group, **({True: ReductionGroup.experts_of(pstate)} if has_experts else {})}
+        when = settings.grad_reduction or GradReduction.of(stage)
+        self.reductions = {kind: reduction_for(stage, group, when) for kind, group in self.groups.items()}
+        self.reduction = self.reductions[False]  # the policy's flags, the same for every group
         units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
         where = settings.placement
-        self.buffers = self._build_buffers(modules, units, settings.bucket_size, settings.main_grads_dtype,
-                                           param_shard_factory(where.parameters, where.offload_path, pstate.rank))
+        self.buffers, self.chunk_of = self._build_buffers(
+            modules, units, settings.bucket_size, settings.main_grads_dtype,
+            param_shard_factory(where.parameters, where.offload_path, pstate.rank))
         self._sync = True
         self._drain_queued = False  # reducing every micro-batch: an end-of-backward callback will retire them
         # (buffer, bucket, work, the slice or partial shard it writes, reduced for the step's last micro-batch)
@@ -132,37 +142,49 @@ class GradSyncEngine:
         self._gathers: dict[tuple[int, int], object] = {}
         self.transfers = _host_transfers(self.buffers, pstate.device, settings.placement)
         self.overlap_param_gather = (settings.overlap_param_gather and self.reduction.gathers_after_step
-                                     and self.group.group is not None)
+                                     and any(g.group is not None for g in self.groups.values()))
         for buf in self.buffers:  # first: a unit's grad hook below counts gradients these have accumulated
             for b in buf.buckets:
                 for p in b.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook(buf, b))
-        self.units = ParameterUnits(modules, self.buffers, units, self.group, gathering) if gathering else None
+        self.units = (ParameterUnits(modules, [self.buffers_of_chunk(i) for i in range(len(modules))], units,
+                                     self.groups, gathering) if gathering else None)
         if self.overlap_param_gather:
             for i, module in enumerate(modules):
                 self._register_gather_waits(i, module)
 
-    def _build_buffers(self, modules: list[nn.Module], units: list, bucket_size: int,
-                       main_grads_dtype: torch.dtype, param_store: Callable | None) -> list[ParamGradBuffer]:
-        """One buffer per model chunk, sharded over the reduction group from ZeRO 1 on."""
+    def _build_buffers(self, modules: list[nn.Module], units: list, bucket_size: int, main_grads_dtype: torch.dtype,
+                       param_store: Callable | None) -> tuple[list[ParamGradBuffer], list[int]]:
+        """Per model chunk, a buffer of its dense parameters and one of its expert weights (if any), each sharded
+        over its reduction group from ZeRO 1 on; returns the buffers and the chunk of each."""
         sharded = self.stage.shards_optimizer_state
         buffers: list[ParamGradBuffer] = []
+        chunk_of: list[int] = []
         try:
-            for module, chunk_units in zip(modules, units):
+            for index, (module, chunk_units) in enumerate(zip(modules, units)):
                 params = [p for p in module.parameters() if p.requires_grad]
                 dtypes = {p.dtype for p in params}
                 assert len(dtypes) == 1, f"a model chunk must have one parameter dtype, got {dtypes}"
                 unit_of = None if chunk_units is None else {p: i for i, u in enumerate(chunk_units) for p in u.params}
-                buffers.append(ParamGradBuffer(
-                    params, bucket_size=bucket_size, num_shards=self.group.size if sharded else 1,
-                    shard_rank=self.group.rank if sharded else 0, param_dtype=dtypes.pop(),
-                    grad_dtype=main_grads_dtype, stage=self.stage, device=self.pstate.device,
-                    unit_of=unit_of, param_store=param_store))
+                for expert, group in self.groups.items():
+                    mine = [p for p in params if spec_of(p).expert == expert]
+                    if not mine:
+                        continue
+                    buffers.append(ParamGradBuffer(
+                        mine, bucket_size=bucket_size, num_shards=group.size if sharded else 1,
+                        shard_rank=group.rank if sharded else 0, param_dtype=next(iter(dtypes)),
+                        grad_dtype=main_grads_dtype, stage=self.stage, device=self.pstate.device,
+                        unit_of=unit_of, param_store=param_store, expert=expert))
+                    chunk_of.append(index)
         except BaseException:  # the parameter-shard files of the buffers made so far go now
             for buf in buffers:
                 buf.close()
             raise
-        return buffers
+        return buffers, chunk_of
+
+    def buffers_of_chunk(self, index: int) -> list[ParamGradBuffer]:
+        """The buffers (dense, then expert weights) of model chunk ``index``."""
+        return [buf for buf, chunk in zip(self.buffers, self.chunk_of) if chunk == index]
 
     @property
     def inflight_partials(self) -> list[torch.Tensor]:
@@ -213,13 +235,22 @@ class GradSyncEngine:
         return [[buf.grad_shard(b) for b in buf.buckets] for buf in self.buffers]
 
     def agree_over_dp(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MAX) -> None:
-        """Reduce a step decision (``t``, e.g. an overflow flag) over the reduction group."""
+        """Reduce a step decision (``t``, e.g. an overflow flag) over dp x cp: after a reduction over the
+        model-parallel group (tp x pp), every rank of the world has taken part (expert shards included)."""
         if self.group.group is not None:
             C.all_reduce(t, self.group.group, op=op)
 
+    @property
+    def sums_norm_over_dp(self) -> bool:
+        """Whether ``sum_over_shards`` sums over dp x cp: sharded (ZeRO 1-3), or with expert weights, whose
+        shards differ across ep (folded over tp x cp x dp) even where dense copies do not. The dp x cp ranks
+        hold the same chunks, so they agree on it."""
+        return self.stage.shards_optimizer_state or True in self.groups
+
     def sum_over_shards(self, t: torch.Tensor) -> None:
-        """Sum a per-shard quantity (e.g. a squared norm) over the ranks owning the other shards."""
-        if self.stage.shards_optimizer_state and self.group.group is not None:
+        """Sum a per-shard quantity (e.g. a squared norm, summed over tp x pp first) over the ranks owning the
+        other shards (``sums_norm_over_dp``; ``optimizer.grads.counts_for_norm`` counts each copy once)."""
+        if self.sums_norm_over_dp and self.group.group is not None:
             C.all_reduce(t, self.group.group)
 
     # -- gradient communication -------------------------------------------------------------
@@ -250,7 +281,7 @@ class GradSyncEngine:
         """Start bucket ``b``'s reduction by the stage's policy (averaged: pre-divided by the group size)."""
         grad_b = buf.bucket_grad(b)
         b.launched = True
-        work, partial = self.reduction.launch(buf.grad_shard(b), grad_b)
+        work, partial = self.reductions[buf.expert].launch(buf.grad_shard(b), grad_b)
         self._inflight.append((buf, b, work, partial, self._sync))
         self._reap(block=False)
         while self.reduction.bounded and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
@@ -276,7 +307,7 @@ class GradSyncEngine:
     def _retire(self, buf: ParamGradBuffer, b: Bucket, work, partial: torch.Tensor | None, final: bool) -> None:
         if work is not None:
             work.wait()
-        self.reduction.retire(buf.grad_shard(b), partial)
+        self.reductions[buf.expert].retire(buf.grad_shard(b), partial)
         buf.release(b)
         if final and self.transfers is not None:  # the shard is complete: start its copy to the host
             self.transfers.grad_ready(b, buf.grad_shard(b))
@@ -299,10 +330,12 @@ class GradSyncEngine:
     def gather_params(self) -> None:
         """ZeRO 1/2: every rank updated its shard; gather the full buckets in forward order (ZeRO 3: the
         next forward gathers)."""
-        group = self.group.group
-        if not self.reduction.gathers_after_step or group is None:
+        if not self.reduction.gathers_after_step:
             return
         for i, buf in enumerate(self.buffers):
+            group = self.groups[buf.expert].group
+            if group is None:  # the shard is the whole bucket
+                continue
             for b in reversed(buf.buckets):  # the last bucket holds the first layers
                 work = C.all_gather_into_tensor(buf.param_bucket(b), buf.param_shard(b), group,
                                                 async_op=self.overlap_param_gather)
@@ -318,20 +351,21 @@ class GradSyncEngine:
     def _register_gather_waits(self, index: int, module: nn.Module) -> None:
         """Each block (``blocks_of``) waits for its buckets just before its forward; parameters outside
         blocks (embeddings, head, final norm) at the chunk's start."""
-        buf = self.buffers[index]
-        bucket_of = {p: b.index for b in buf.buckets for p in b.params}
+        bucket_of = {p: (i, b.index) for i, (buf, chunk) in enumerate(zip(self.buffers, self.chunk_of))
+                     if chunk == index for b in buf.buckets for p in b.params}
         covered: set[nn.Parameter] = set()
         for block in blocks_of(module):
             params = [p for p in block.parameters() if p in bucket_of]
             covered.update(params)
-            block.register_forward_pre_hook(self._waiter(index, {bucket_of[p] for p in params}))
-        rest = {bucket_of[p] for p in buf.params if p not in covered}
-        module.register_forward_pre_hook(self._waiter(index, rest))
+            block.register_forward_pre_hook(self._waiter({bucket_of[p] for p in params}))
+        rest = {key for p, key in bucket_of.items() if p not in covered}
+        module.register_forward_pre_hook(self._waiter(rest))
 
-    def _waiter(self, index: int, bucket_ids: set[int]) -> Callable:
+    def _waiter(self, keys: set[tuple[int, int]]) -> Callable:
+        """A pre-hook waiting for the gathers of ``keys`` (buffer, bucket), the later buckets first."""
         def hook(module: nn.Module, args: tuple) -> None:
-            for j in sorted(bucket_ids, reverse=True):
-                work = self._gathers.pop((index, j), None)
+            for key in sorted(keys, reverse=True):
+                work = self._gathers.pop(key, None)
                 if work is not None:
                     work.wait()
 

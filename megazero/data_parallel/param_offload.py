@@ -158,7 +158,7 @@ class _Checked:
 def param_shard_factory(where: Placement, folder: str | None, rank: int):
     """A ``(numel, dtype, device) -> store`` for ``ParamGradBuffer``, or None to keep shards on the device.
 
-    Several buffers (virtual pipeline chunks) on one rank would share one file name, so the
+    Several buffers (virtual pipeline chunks, expert weights) on one rank would share one file name, so the
     factory numbers the disk stores it makes.
     """
     if where == Placement.DEVICE:

@@ -1,13 +1,15 @@
 """The reduction group and the per-stage reduction policy, both decided once when the engine is built.
 
-``ReductionGroup`` is the group gradients are averaged over and shards are cut across: the
-data-parallel group times the context-parallel group (``ReductionGroup.of``), decided in one place.
+``ReductionGroup`` is the group gradients are summed over and shards are cut across, and what the sum
+is divided by to be the serial mean, decided in one place: dense parameters use the data-parallel group
+times the context-parallel group (``ReductionGroup.of``), mixture-of-experts expert weights the
+expert-data-parallel group (``ReductionGroup.experts_of``), both divided by dp x cp.
 
 A ``Reduction`` is what a ``ZeroStage`` does with a completed bucket's gradient (``launch``) and when
 it finishes (``retire``); the engine calls the policy it picked at construction instead of testing
 the stage in its hooks:
 
-    ZeRO 0  AllReduce                 all-reduce the bucket (pre-divided by the group size)
+    ZeRO 0  AllReduce                 all-reduce the bucket (pre-divided by the group's divisor)
     ZeRO 1  ReduceScatterInPlace      reduce-scatter into this rank's shard, a view of the bucket
     ZeRO 2  ReduceScatterRelease      reduce-scatter into the persistent grad shard, then free the
                                       full-size bucket gradient (a bounded number in flight)
@@ -34,16 +36,35 @@ from ..run_plan import GradReduction, ZeroStage
 
 @dataclass(frozen=True)
 class ReductionGroup:
-    """The ranks that average gradients and split shards (``group`` None: this rank alone)."""
+    """The ranks that sum gradients and split shards (``group`` None: this rank alone), and ``divisor``: what
+    each rank's gradient is divided by before the sum, so that the sum is the serial mean."""
 
     group: dist.ProcessGroup | None
     size: int
     rank: int
+    divisor: int
 
     @classmethod
     def of(cls, pstate: ParallelState) -> "ReductionGroup":
-        """The run's reduction group: dp x cp (CP ranks hold the same weights; at cp 1 the DP group)."""
-        return cls(pstate.dp_cp_group, pstate.dp_cp, pstate.dp_cp_rank)
+        """Dense parameters: dp x cp (CP ranks hold the same weights; at cp 1 the DP group), averaged over it."""
+        return cls(pstate.dp_cp_group, pstate.dp_cp, pstate.dp_cp_rank, divisor=pstate.dp_cp)
+
+    @classmethod
+    def experts_of(cls, pstate: ParallelState) -> "ReductionGroup":
+        """Expert weights: summed over the expert-data-parallel group (edp ranks), divided by dp x cp.
+
+        Each of the dp x cp token shards is scaled by dp x cp / B in its local loss (B: the global batch's
+        tokens), so a dense rank's gradient is dp x cp times its share of the serial mean and averaging over
+        dp x cp gives the serial gradient. An expert replica (one edp rank) instead computes its gradient
+        from the tokens routed to it from every rank of its expert-parallel group: the edp replicas together
+        see each of the B tokens once, each with the same weight dp x cp / B. Hence
+
+            serial = (1 / B) sum_all tokens = (1 / (dp x cp)) sum_{edp replicas} local gradient,
+
+        i.e. the net factor is 1 / (dp x cp) on a sum over edp ranks (an edp average times edp / (dp x cp)),
+        and it applies even when edp is 1 (no collective, the division alone).
+        """
+        return cls(pstate.edp_group, pstate.edp, pstate.edp_rank, divisor=pstate.dp_cp)
 
 
 class AllReduce:
@@ -58,10 +79,11 @@ class AllReduce:
 
     def launch(self, shard: torch.Tensor, grad_b: torch.Tensor) -> tuple[object, torch.Tensor | None]:
         """Start the reduction of bucket gradient ``grad_b`` [numel]; returns (work, partial shard)."""
+        if self.group.divisor > 1:
+            grad_b.div_(self.group.divisor)
         if self.group.group is None:
             self.alone(shard, grad_b)
             return None, None
-        grad_b.div_(self.group.size)
         return self.issue(shard, grad_b)
 
     def alone(self, shard: torch.Tensor, grad_b: torch.Tensor) -> None:

@@ -116,17 +116,19 @@ class Unit:
 class ParameterUnits:
     """The gathered/freed state of every unit of this rank's chunks, driven by module and grad hooks."""
 
-    def __init__(self, modules: list[nn.Module], buffers: list[ParamGradBuffer],
-                 units: list[list[UnitSpec]], group: ReductionGroup,
+    def __init__(self, modules: list[nn.Module], chunk_buffers: list[list[ParamGradBuffer]],
+                 units: list[list[UnitSpec]], groups: dict[bool, ReductionGroup],
                  gathering: UnitGathering) -> None:
-        self.group, self.gathering = group.group, gathering
+        """``chunk_buffers``: each chunk's buffers (dense, expert weights); ``groups``: the group each kind of
+        buffer is sharded over, keyed by ``ParamGradBuffer.expert`` (a unit gathers over both)."""
+        self.groups, self.gathering = {kind: g.group for kind, g in groups.items()}, gathering
         self.chunks: list[list[Unit]] = []
-        for buf, chunk_units in zip(buffers, units):
-            bucket_of = {p: b for b in buf.buckets for p in b.params}
+        for bufs, chunk_units in zip(chunk_buffers, units):
+            bucket_of = {p: (buf, b) for buf in bufs for b in buf.buckets for p in b.params}
             chunk: list[Unit] = []
             for i, spec in enumerate(chunk_units):
-                buckets = {id(bucket_of[p]): bucket_of[p] for p in spec.params}
-                unit = Unit(index=i, params=spec.params, buckets=[(buf, b) for b in buckets.values()],
+                buckets = {id(bucket_of[p][1]): bucket_of[p] for p in spec.params}
+                unit = Unit(index=i, params=spec.params, buckets=list(buckets.values()),
                             root=spec.root, keep_until_backward=spec.root or not gathering.reshard_after_forward)
                 chunk.append(unit)
                 for block in spec.blocks:  # what ``print(model)`` shows (``TransformerBlock.extra_repr``)
@@ -153,7 +155,7 @@ class ParameterUnits:
             for buf, b in unit.buckets:
                 if buf.param_store is None:
                     unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
-                                                               self.group, async_op=True, phase=phase))
+                                                               self.groups[buf.expert], async_op=True, phase=phase))
                 else:  # offloaded: the shard comes to the device first (disk: a read overlapping compute)
                     unit.fetches.append((buf, b, buf.fetch_param_shard(b)))
                     deferred = deferred or buf.param_store.deferred
@@ -172,7 +174,7 @@ class ParameterUnits:
         for buf, b, fetch in unit.fetches:
             shard = fetch.result()
             unit.sources.append(shard)
-            unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), shard, self.group,
+            unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), shard, self.groups[buf.expert],
                                                        async_op=True, phase=phase))
         unit.fetches.clear()
 

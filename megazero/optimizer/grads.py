@@ -9,7 +9,15 @@ Two kinds of parameters get gradients that are partial sums on some ranks:
 The global norm counts every parameter of the full model exactly once: TP-split
 parameters on every TP rank, replicated ones on TP rank 0 only, the embedding
 copy on the last stage not at all; the step (``zero.py``) then sums over the
-model-parallel group, and the gradient-sync engine over the DP shards when sharded.
+model-parallel group (tp x pp), and the gradient-sync engine over dp x cp when sharded
+(``GradSyncEngine.sum_over_shards``): the two sums together cover the world.
+
+Mixture-of-experts expert weights differ across ep, etp and pp ranks (ep folds over tp x cp x dp)
+and are sharded (ZeRO 1-3) or replicated (ZeRO 0) over the expert-data-parallel group: etp-split
+ones count on every etp rank, unsplit ones on etp rank 0, and when replicated over edp on edp rank
+0 only. With expert weights the engine sums over dp x cp at ZeRO 0 too, so there a dense copy,
+replicated over dp x cp, counts on dp x cp rank 0 only (the others add exact zeros: the dense sum
+is the one without experts).
 """
 from __future__ import annotations
 
@@ -19,11 +27,20 @@ from ..parallel.state import ParallelState
 from ..tensor_parallel.layers import spec_of
 
 
-def counts_for_norm(p: torch.Tensor, pstate: ParallelState) -> bool:
-    """Whether this rank's copy of ``p`` contributes to the global grad norm."""
-    if spec_of(p).tied_role == "embedding_copy":
+def counts_for_norm(p: torch.Tensor, pstate: ParallelState, sharded: bool = False,
+                    summed_over_dp: bool = False) -> bool:
+    """Whether this rank's copy of ``p`` contributes to the global grad norm.
+
+    ``sharded``: ZeRO 1-3, each rank of the reduction group holds a different shard of ``p``'s bucket;
+    ``summed_over_dp``: the engine sums the squares over dp x cp (sharded, or a model with expert weights).
+    """
+    spec = spec_of(p)
+    if spec.tied_role == "embedding_copy":
         return False
-    return spec_of(p).split_dim is not None or pstate.tp_rank == 0
+    if spec.expert:
+        return (spec.split_dim is not None or pstate.etp_rank == 0) and (sharded or pstate.edp_rank == 0)
+    one_replica = sharded or not summed_over_dp or pstate.dp_cp_rank == 0
+    return (spec.split_dim is not None or pstate.tp_rank == 0) and one_replica
 
 
 # Elements upcast to fp64 at a time. CPU: 512 KiB of fp64 stays in cache, so the fp64 sum costs what

@@ -57,8 +57,8 @@ class DistributedOptimizer:
             self.sync.close()
             raise
         self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
-        self.norm_runs = [[_norm_runs(b, pstate) for b in buf.buckets] for buf in self.buffers]
-        self.probe_runs = [[_norm_runs(b, pstate, counted=False) for b in buf.buckets] for buf in self.buffers]
+        self.norm_runs = [[_norm_runs(b, sync, counted=True) for b in buf.buckets] for buf in self.buffers]
+        self.probe_runs = [[_norm_runs(b, sync, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
 
     @property
@@ -252,7 +252,8 @@ def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, p
     return store
 
 
-def _norm_runs(b: Bucket, pstate: ParallelState, counted: bool = True) -> list[tuple[int, int]]:
+def _norm_runs(b: Bucket, sync: GradSyncEngine, counted: bool) -> list[tuple[int, int]]:
     """Shard ranges [lo, hi) whose grads enter the global norm (or, ``counted=False``, do not)."""
-    return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, pstate) == counted)
+    sharded, summed = sync.stage.shards_optimizer_state, sync.sums_norm_over_dp
+    return merged_runs(b.segments, lambda seg: counts_for_norm(seg.param, sync.pstate, sharded, summed) == counted)
 

@@ -48,19 +48,6 @@ class _GatherRows(torch.autograd.Function):
         return reduce_scatter_first_dim(grad, ctx.group).wait(), None
 
 
-class _GatherRowsSplitGrad(torch.autograd.Function):
-    """Forward: all-gather equal row blocks / backward: keep this rank's block (the gradient is replicated)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_first_dim(x, group).wait()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(group_size(ctx.group))[group_rank(ctx.group)].contiguous(), None
-
-
 class _SumGrad(torch.autograd.Function):
     """Forward: identity / backward: all-reduce (Megatron's f, for a weight each rank applies to its own rows)."""
 
@@ -101,11 +88,6 @@ def reduce_scatter_uneven_rows(x: torch.Tensor, group: Group, sizes: list[int]) 
 def all_gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All ranks' equal row blocks; backward reduce-scatters (the all-gather dispatcher's token exchange)."""
     return x if group_size(group) == 1 else _GatherRows.apply(x, group)
-
-
-def gather_rows_split_grad(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """All ranks' equal row blocks into a replicated tensor; backward keeps this rank's block of the grad."""
-    return x if group_size(group) == 1 else _GatherRowsSplitGrad.apply(x, group)
 
 
 def sum_grad_over(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..parallel.collectives import Group
-from ..parallel.state import group_rank, group_size
+from ..parallel.state import ParallelState, group_rank, group_size
 
 Dispatcher = Literal["alltoall", "allgather"]
 
@@ -30,6 +30,13 @@ class ExpertContext:
     tp_group: Group = None
     sequence_parallel: bool = False
     dispatcher: Dispatcher = "alltoall"
+
+    @classmethod
+    def of(cls, pstate: ParallelState, sequence_parallel: bool = False,
+           dispatcher: Dispatcher = "alltoall") -> "ExpertContext":
+        """The groups of ``pstate``'s expert and dense grids."""
+        return cls(ep_group=pstate.ep_group, etp_group=pstate.etp_group, tp_cp_group=pstate.tp_cp_group,
+                   tp_group=pstate.tp_group, sequence_parallel=sequence_parallel, dispatcher=dispatcher)
 
     @property
     def ep(self) -> int:

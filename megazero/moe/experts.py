@@ -63,13 +63,13 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: ExpertContext, device=None, dtype=None) -> None:
         super().__init__()
-        ffn = cfg.moe_ffn_size
-        if cfg.num_experts % ctx.ep or ffn % ctx.etp:
-            raise ValueError(f"--num-experts ({cfg.num_experts}) must be divisible by --expert-model-parallel-size "
-                             f"({ctx.ep}) and the expert FFN width ({ffn}) by --expert-tensor-parallel-size "
+        ffn, num_experts = cfg.moe_ffn_size, cfg.num_experts
+        if num_experts is None or num_experts % ctx.ep or ffn % ctx.etp:
+            raise ValueError(f"--num-experts ({num_experts}) must be set and divisible by --expert-model-parallel-size "
+                             f"({ctx.ep}), and the expert FFN width ({ffn}) by --expert-tensor-parallel-size "
                              f"({ctx.etp}); pick divisors.")
         self.ctx, self.gated = ctx, cfg.arch == "llama"
-        self.num_local = cfg.num_experts // ctx.ep
+        self.num_local = num_experts // ctx.ep
         local, h, f = self.num_local, cfg.hidden_size, ffn // ctx.etp
         where = dict(device=device, dtype=dtype)
         place = dict(expert=True, first_expert=ctx.ep_rank * local, expert_tp_rank=ctx.etp_rank)
@@ -111,9 +111,10 @@ class GroupedExperts(nn.Module):
     def _ffn(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """fc2(act(fc1 x)) on this etp rank's slice of F: the full output at etp 1, a partial sum otherwise."""
         h_NF = grouped_linear(x_NH, self.fc1_weight, counts)
-        if self.gated:
+        if self.gate_weight is not None:
             h_NF = F.silu(grouped_linear(x_NH, self.gate_weight, counts)) * h_NF
         else:
+            assert self.fc1_bias is not None, "GELU experts have biases"
             h_NF = F.gelu(h_NF + self.fc1_bias[expert_ids(torch.tensor(counts, device=x_NH.device))],
                           approximate="tanh")
         return grouped_linear(h_NF, self.fc2_weight, counts)

@@ -128,7 +128,7 @@ def initialize_parameters(module: nn.Module, seed: int, tp_group) -> None:
             param.fill_(spec.init_value)
             continue
         if spec.expert:
-            _fill_experts(param, spec, seed, name)
+            _fill_experts(param, spec, seed, name, spec.init_std)
             continue
         dim = 0 if spec.split_dim is None else spec.split_dim
         start = 0 if spec.split_dim is None else rank * param.shape[dim]
@@ -138,13 +138,13 @@ def initialize_parameters(module: nn.Module, seed: int, tp_group) -> None:
             param[max(0, spec.valid_rows - first_row):].zero_()
 
 
-def _fill_experts(param: torch.Tensor, spec: ParamSpec, seed: int, name: str) -> None:
+def _fill_experts(param: torch.Tensor, spec: ParamSpec, seed: int, name: str, std: float) -> None:
     """Draw each local expert as the serial model draws it: seeded by "<name>.<global expert id>" and blocked
     along the expert's own split dim, so any ep and etp give the weights of ep 1, etp 1."""
     dim = 0 if spec.split_dim is None else spec.split_dim - 1
     start = 0 if spec.split_dim is None else spec.expert_tp_rank * param.shape[spec.split_dim]
     for local, expert in enumerate(param):
-        fill_normal_slice(expert, seed=seed, name=f"{name}.{spec.first_expert + local}", std=spec.init_std,
+        fill_normal_slice(expert, seed=seed, name=f"{name}.{spec.first_expert + local}", std=std,
                           dim=dim, start=start)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megazero.config import ModelConfig
@@ -27,21 +26,6 @@ def moe_config(arch: str, num_experts: int = 8, topk: int = 2, hidden: int = 16,
     return ModelConfig(arch=arch, num_layers=1, hidden_size=hidden, num_attention_heads=2, vocab_size=64,
                        num_experts=num_experts, moe_router_topk=topk, moe_ffn_hidden_size=ffn,
                        init_method_std=0.3, **moe)
-
-
-def expert_groups(etp: int, ep: int, **ctx) -> ExpertContext:
-    """etp x ep over the whole world, Megatron's order (rank = etp_rank + etp * ep_rank); every rank makes every
-    group, in one order."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = {}
-    for name, groups in (("etp", [[e * etp + t for t in range(etp)] for e in range(ep)]),
-                         ("ep", [[e * etp + t for e in range(ep)] for t in range(etp)])):
-        mine[name] = None
-        for ranks in groups:
-            handle = dist.new_group(ranks) if len(ranks) > 1 else None
-            if rank in ranks:
-                mine[name] = handle
-    return ExpertContext(ep_group=mine["ep"], etp_group=mine["etp"], **ctx)
 
 
 def built_experts(cfg: ModelConfig, ctx: ExpertContext, dtype: torch.dtype) -> GroupedExperts:
@@ -107,3 +91,11 @@ def reference_moe(x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.
         weight_T = (probs_TK * ((experts_TK == e) & keep_TK)).sum(1)
         y = y + weight_T.to(x_TH.dtype).unsqueeze(1) * out
     return y
+
+
+def shared_reference(x: torch.Tensor, w: dict[str, torch.Tensor], gated: bool) -> torch.Tensor:
+    """The dense shared expert with its full weights ([out, in], as nn.Linear keeps them)."""
+    if gated:
+        return (F.silu(x @ w["gate.weight"].t()) * (x @ w["fc1.weight"].t())) @ w["fc2.weight"].t()
+    hidden = F.gelu(x @ w["fc1.weight"].t() + w["fc1.bias"], approximate="tanh")
+    return hidden @ w["fc2.weight"].t() + w["fc2.bias"]

@@ -17,8 +17,10 @@ import torch.distributed as dist
 from megazero.moe.context import ExpertContext
 from megazero.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, Capacity
 from megazero.moe.experts import grouped_linear
+from megazero.parallel.layout import Layout
+from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.helpers.moe import (built_experts, expert_groups, local_slice, moe_config, reference_keep, reference_moe,
+from tests.helpers.moe import (built_experts, local_slice, moe_config, reference_keep, reference_moe,
                                stand_in_routing)
 
 TOKENS, EXPERTS, TOPK = 12, 8, 2
@@ -82,7 +84,8 @@ def check_grids(pstate, grids: list[tuple[int, int]]) -> dict[str, float]:
     errors = {}
     world = dist.get_world_size() if dist.is_initialized() else 1
     for etp, ep in grids:
-        ctx = expert_groups(etp, ep)
+        grid = Layout.from_world(world, 1, 1, ep=ep, etp=etp)  # the world is etp x ep: edp = 1
+        ctx = ExpertContext.of(ParallelState.build(grid, "cpu") if world > 1 else ParallelState.serial())
         for arch in ("llama", "gpt2"):
             cfg = moe_config(arch)
             for dtype in (torch.float64, torch.float32):

@@ -1,6 +1,6 @@
 """Start real torch.distributed worlds on gloo and collect each rank's result.
 
-`spawn(fn, world_size, tp=..., pp=..., cp=...)` runs ``fn(pstate, *args)`` on every
+`spawn(fn, world_size, tp=..., pp=..., cp=..., ep=..., etp=...)` runs ``fn(pstate, *args)`` on every
 rank of a fresh world and returns the per-rank return values (anything
 torch.save can write). Ranks come from a forkserver that has already
 imported torch, so starting a world costs ~1 s rather than an import per
@@ -21,8 +21,8 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "einops", "megazero.model.gpt"])
 
 
-def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int, int], init_file: str, out: str,
-            args: tuple, test_id: str) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int, int, int, int | None], init_file: str,
+            out: str, args: tuple, test_id: str) -> None:
     import torch.distributed as dist
 
     from megazero.parallel.layout import Layout
@@ -32,8 +32,8 @@ def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int,
     os.environ["PYTEST_CURRENT_TEST"] = test_id  # the forkserver started under an earlier test
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-        tp, pp, cp, cp_a2a = grid
-        pstate = ParallelState.build(Layout.from_world(world_size, tp, pp, cp), "cpu", cp_a2a=cp_a2a)
+        tp, pp, cp, cp_a2a, ep, etp = grid
+        pstate = ParallelState.build(Layout.from_world(world_size, tp, pp, cp, ep=ep, etp=etp), "cpu", cp_a2a=cp_a2a)
         result = fn(pstate, *args)
         torch.save({"ok": True, "result": result}, out)
     except BaseException:  # noqa: BLE001 - ship every failure back to the test
@@ -44,11 +44,11 @@ def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int,
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, tp: int = 1, pp: int = 1, cp: int = 1, cp_a2a: int = 1,
-          timeout: float = 300) -> list[Any]:
+          ep: int = 1, etp: int | None = None, timeout: float = 300) -> list[Any]:
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
-        grid, test_id = (tp, pp, cp, cp_a2a), os.environ.get("PYTEST_CURRENT_TEST", "")
+        grid, test_id = (tp, pp, cp, cp_a2a, ep, etp), os.environ.get("PYTEST_CURRENT_TEST", "")
         procs = [_CONTEXT.Process(target=_worker, args=(fn, r, world_size, grid, init_file, outs[r], args, test_id))
                  for r in range(world_size)]
         for p in procs:

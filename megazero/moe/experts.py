@@ -26,8 +26,10 @@ _GROUPED_DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.bfloat
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes these operands (dtype, device, 16-byte row strides)."""
+    """Whether ``torch._grouped_mm`` takes these operands (dtype, device, 16-byte row strides; Hopper on CUDA)."""
     aligned = all(t.shape[-1] * t.element_size() % 16 == 0 for t in (x, w))
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
     return aligned and x.dtype in _GROUPED_DTYPES.get(x.device.type, ())
 
 

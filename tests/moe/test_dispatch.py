@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megazero.moe.context import ExpertContext
 from megazero.moe.dispatch import AllGatherDispatcher, AllToAllDispatcher, Capacity
-from megazero.moe.experts import grouped_linear
+from megazero.moe.experts import grouped_linear, grouped_mm_supported
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
@@ -140,3 +140,16 @@ def test_grouped_linear_takes_empty_and_single_row_experts_and_a_sum_backward():
     assert (x32.grad.double() - x64.grad).abs().max() < 1e-5
     assert (w32.grad.double() - w64.grad).abs().max() < 1e-5
     assert w32.grad[1].abs().max() == 0
+
+
+def test_grouped_linear_in_bf16_matches_fp64_loop_and_falls_back_where_unaligned():
+    """bf16 takes the grouped GEMM (within bf16 rounding of the fp64 loop); rows of 6 fp32 values (24 bytes, not a
+    multiple of 16) take the loop, exactly equal to the per-expert products."""
+    counts = [2, 1, 0, 5]
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(4))
+    exact = grouped_linear(x.double(), w.double(), counts)
+    assert (grouped_linear(x.bfloat16(), w.bfloat16(), counts).double() - exact).abs().max() < 0.1
+    assert grouped_mm_supported(x.bfloat16(), w.bfloat16()) and not grouped_mm_supported(x[:, :6], w[:, :6, :6])
+    rows = grouped_linear(x[:, :6].contiguous(), w[:, :6, :6].contiguous(), counts)
+    assert torch.equal(rows[2:3], x[2:3, :6] @ w[1, :6, :6])

@@ -11,6 +11,7 @@ Tolerances are the issue's: fp64 within 1e-12; fp32 outputs within 1e-6, gradien
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megazero.moe.context import ExpertContext
@@ -128,3 +129,9 @@ def test_moe_layer_matches_dense_reference_across_layouts():
             if not err <= limit:
                 bad.append(f"rank {rank} {key}: {err:.3g} > {limit:g}")
     assert not bad, "\n".join(bad)
+
+
+def test_padding_to_capacity_with_the_allgather_dispatcher_is_refused():
+    cfg = moe_config("llama", moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError, match="--moe-pad-expert-input-to-capacity needs --moe-token-dispatcher-type"):
+        MoELayer(cfg, ExpertContext(dispatcher="allgather"), 0)

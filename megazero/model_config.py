@@ -42,6 +42,8 @@ class ModelConfig(MoEFields):
     rope_scaling_original_max_position_embeddings: int = opt(
         8192, "llama3 RoPE scaling: context length the model was first trained at (HF "
         "original_max_position_embeddings).")
+    qk_layernorm: bool = opt(False, "Per-head RMSNorm of queries and keys after the QKV projection, before RoPE "
+                             "(llama family; Qwen3's q_norm/k_norm).")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "Separate output head; None = tied for gpt2, untied for llama.")
     init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).",
@@ -59,6 +61,8 @@ class ModelConfig(MoEFields):
         require(self.position_table_size >= self.seq_length,
                  f"--max-position-embeddings ({self.max_position_embeddings}) must be >= --seq-length "
                  f"({self.seq_length}).")
+        require(not self.qk_layernorm or self.arch == "llama",
+                 "--qk-layernorm needs --arch llama (it normalises RoPE queries and keys); drop the flag.")
         self._check_rope_scaling()
         self._check_moe(self.num_layers)
 

@@ -4,6 +4,7 @@ Counts follow the modules in ``megazero.model`` exactly (so ``num_parameters``
 equals ``count_parameters`` of the built model, vocabulary padding included):
 
     per block   norms       2 x (2h gpt2 LayerNorm | h llama RMSNorm)       replicated
+                            (+ 2d q/k head norms with --qk-layernorm)       replicated
                 qkv         (n + 2g) d h  (+ (n + 2g) d bias, gpt2)        split over TP
                 proj        h n d                                          split
                             (+ h bias, gpt2)                               replicated
@@ -74,6 +75,7 @@ def block_params(cfg: ModelConfig) -> ParamCount:
     else:
         split += 3 * f * h
     replicated = 2 * _norm(cfg) + (2 * h if bias else 0)  # norms, proj and fc2 biases
+    replicated += 2 * d if cfg.qk_layernorm else 0  # the q and k head norms
     return ParamCount(split, replicated)
 
 
@@ -102,6 +104,7 @@ def block_param_numels(cfg: ModelConfig, tp: int) -> list[int]:
     norm = [h, h] if gpt2 else [h]
     attn = [qkv * h, qkv, h * cfg.num_attention_heads * cfg.head_dim // tp, h] if gpt2 else \
         [qkv * h, h * cfg.num_attention_heads * cfg.head_dim // tp]
+    attn += [cfg.head_dim, cfg.head_dim] if cfg.qk_layernorm else []  # q_norm, k_norm (after proj)
     mlp = [f // tp * h, f // tp, h * f // tp, h] if gpt2 else [f // tp * h, f // tp * h, h * f // tp]
     return norm + attn + norm + mlp
 

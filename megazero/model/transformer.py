@@ -91,6 +91,19 @@ def make_norm(cfg: ModelConfig, ctx: TPContext) -> nn.Module:
     return norm
 
 
+def make_head_norm(cfg: ModelConfig) -> nn.Module:
+    """--qk-layernorm: RMSNorm over each query or key head's d features (Qwen3's q_norm/k_norm), else identity.
+
+    TP ranks hold different heads but one shared weight, so each rank's weight gradient is a partial sum
+    over its heads: marked like a sequence-parallel norm, the engine sums it over TP with those.
+    """
+    if not cfg.qk_layernorm:
+        return nn.Identity()
+    norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_epsilon)
+    set_spec(norm.weight, sequence_parallel=True, init_value=1.0)
+    return norm
+
+
 def rotary_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
     """RoPE inverse frequencies [d/2], with Llama-3 scaling when ``cfg.rope_scaling_type`` is llama3.
 
@@ -142,6 +155,7 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, tp_group=ctx.group,
                                       bias=bias, sequence_parallel=ctx.sequence_parallel,
                                       init_std=scaled_init_std(cfg.init_method_std, cfg.num_layers))
+        self.q_norm, self.k_norm = make_head_norm(cfg), make_head_norm(cfg)
         self.recompute_core = False  # selective recompute (``recompute.apply_recompute``): checkpoint the core
         self.core_eager = False  # --compile: the core is a graph break (``compile.eager_sites``)
 
@@ -177,8 +191,8 @@ class Attention(nn.Module):
         ``documents`` (packed samples, this rank's cut): positions that restart, attention kept in documents."""
         qkv = self.qkv(x)  # [s, b, g * x * d]
         qkv_bgxsd = rearrange(qkv, "s b (g x d) -> b g x s d", x=self.heads_per_group + 2, d=self.cfg.head_dim)
-        q_bnsd = rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d")
-        k_bgsd, v_bgsd = qkv_bgxsd[:, :, -2], qkv_bgxsd[:, :, -1]
+        q_bnsd = self.q_norm(rearrange(qkv_bgxsd[:, :, :self.heads_per_group], "b g x s d -> b (g x) s d"))
+        k_bgsd, v_bgsd = self.k_norm(qkv_bgxsd[:, :, -2]), qkv_bgxsd[:, :, -1]
         if self.cfg.arch == "llama":
             new_tokens = q_bnsd.shape[2]
             positions = (self.ctx.positions(new_tokens, x.device, documents) if cache is None

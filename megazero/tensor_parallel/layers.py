@@ -35,8 +35,8 @@ class ParamSpec:
     """How one parameter is split over TP ranks and initialised.
 
     split_dim: dim sharded across TP ranks, or None when every TP rank holds the full tensor.
-    sequence_parallel: replicated, but each rank sees only its sequence chunk, so its
-        gradient is a partial sum to all-reduce over TP.
+    sequence_parallel: replicated, but each rank sees only its sequence chunk (or, for the
+        --qk-layernorm head norms, its heads), so its gradient is a partial sum to all-reduce over TP.
     init_std: normal(0, std) when set, else the constant ``init_value``.
     valid_rows: rows past this (vocabulary padding) are zero and stay zero.
     weight_decay: AdamW decays it; by default matrices only, not biases and norm weights (1-D).

@@ -1,4 +1,5 @@
-"""Tiny model shapes (tied and untied embeddings, GQA, odd vocabularies) the planner tests count and build."""
+"""Tiny model shapes (tied and untied embeddings, GQA, q/k head norms, odd vocabularies) the planner tests count
+and build."""
 from __future__ import annotations
 
 MODELS = {
@@ -7,6 +8,8 @@ MODELS = {
                         max_position_embeddings=40, vocab_size=1000, untie_embeddings_and_output_weights=True),
     "llama_gqa": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                       seq_length=16, vocab_size=1100),
+    "llama_qk_norm": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                          seq_length=16, vocab_size=1100, qk_layernorm=True),
     "llama_tied": dict(arch="llama", num_layers=2, hidden_size=96, num_attention_heads=4, ffn_hidden_size=200,
                        seq_length=16, vocab_size=999, untie_embeddings_and_output_weights=False),
 }

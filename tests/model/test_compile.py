@@ -29,6 +29,8 @@ ARCHS = {
     "gpt2": dict(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16),
     "llama": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                   seq_length=16),
+    "llama_qk": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                     seq_length=16, qk_layernorm=True),
 }
 
 
@@ -39,7 +41,7 @@ def _model(arch: str, **extra) -> GPTModel:
     return model
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "llama_qk"])
 def test_block_is_one_graph_shared_by_all_blocks(arch):
     """fullgraph=True compiles and runs forward + backward (it raises on any graph break), and the two
     blocks reuse one graph: compile time does not grow with depth."""

@@ -1,6 +1,6 @@
 """The full model at tp = 2 and 4 (with and without sequence parallelism) equals tp = 1.
 
-Both architectures; llama with grouped-query attention. The vocabulary is
+Both architectures; llama with grouped-query attention, with and without --qk-layernorm. The vocabulary is
 chosen so its padding differs between TP sizes, which must not change the math.
 """
 from __future__ import annotations
@@ -21,6 +21,9 @@ ARCHS = {
     "gpt2": dict(arch="gpt2", num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16),
     "llama": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                   seq_length=16),
+    # q/k head norms: one weight shared by the heads of every TP rank, its grad a partial sum over TP
+    "llama_qk": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
+                     seq_length=16, qk_layernorm=True),
 }
 
 

@@ -1,6 +1,7 @@
 """Mixture-of-experts gradient sync, exactly (issue 33, "Groups"): dense gradients reduce over dp x cp, expert
 gradients over their expert-data-parallel group, both with the net factor 1 / (dp x cp); the grad norm counts
-every expert shard once; ZeRO 1-3 (both reshard modes, offload) gather expert parameters over that group.
+every expert shard once; ZeRO 1-3 (both reshard modes, offload, overlapped gathers) gather expert parameters
+back over that group.
 
 Every rank sets element i of every gradient to (i + 1) x 2^rank (a linear loss), so each reduced value is
 (i + 1) x (a sum of distinct powers of two) / (dp x cp): exact in fp32, as are the squares the fp64 norm adds.
@@ -32,7 +33,8 @@ BLOCKS = 2
 # name -> (local shape, expert, split): "split" is over tp (dense) or etp (expert); unsplit copies are replicas
 PARAMS = {"head": ((3, 4), False, True), "dense": ((5,), False, False),
           "expert_w": ((2, 3), True, True), "expert_b": ((2, 2), True, False)}
-RUNS = {"z0": dict(stage=0), "z1": dict(stage=1), "z2": dict(stage=2),
+RUNS = {"z0": dict(stage=0), "z1": dict(stage=1), "z1.overlap": dict(stage=1, overlap_param_gather=True),
+        "z2": dict(stage=2),
         "z2.every": dict(stage=2, grad_reduction=GradReduction.EVERY_MICRO_BATCH),
         "z3": dict(stage=3, gathering=UnitGathering(reshard_after_forward=True)),
         "z3.keep": dict(stage=3, gathering=UnitGathering(reshard_after_forward=False)),
@@ -100,6 +102,8 @@ def _run(pstate: ParallelState, settings: dict, poison: bool) -> dict:
         model(scale).backward()
         result = opt.step(lr=0.0)
         covered = _check_shards(pstate, model, opt) if not poison else {}
+        with torch.no_grad():  # overlapped gathers: each block waits for its buckets; ZeRO 3: gathers, frees
+            model(scale)
         gathered = opt.host_copies(keep=True)
         names = {p: name for name, p in model.named_parameters()}
         changed = sorted(names[p] for p, v in gathered.items() if not torch.equal(v, initial[names[p]]))

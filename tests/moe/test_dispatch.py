@@ -7,6 +7,7 @@ etp x ep, so an expert's gradient on its ep rank already holds every token's sha
 routing gives the last expert no token and the one before it exactly one. Tolerances are the
 issue's: fp64 everything within 1e-12; fp32 outputs within 1e-6, gradients within 5e-6 (absolute;
 outputs are O(1)). Initialisation is compared bitwise: an expert's weights do not depend on ep/etp.
+The dropless all-to-all's bytes, counted at the collectives, equal the rows that leave the rank.
 """
 from __future__ import annotations
 
@@ -63,19 +64,36 @@ def _reference(serial, inputs, capacity, gated: bool) -> tuple[list, list, list,
     return outs, [x.grad for x in xs], [p.grad for p in probs], {n: w.grad for n, w in weights.items()}
 
 
-def _case_errors(ctx, serial, local, inputs, case: str, gated: bool) -> dict[str, float]:
+def _dropless_ep_bytes(ctx: ExpertContext, inputs, rank: int, element_size: int) -> int:
+    """What the ledger must count on the ep axis for one dropless forward + backward: rows sent off-rank (this
+    rank's assignments to other ranks' experts, dispatch and its backward; the rows other ranks sent here,
+    combine and its backward), plus the count exchange (E int64 less the block kept)."""
+    local = EXPERTS // ctx.ep
+    sent = int((inputs[rank][1] // local != ctx.ep_rank).sum())
+    peers = [ctx.etp_rank + ctx.etp * e for e in range(ctx.ep) if e != ctx.ep_rank]
+    received = sum(int((inputs[p][1] // local == ctx.ep_rank).sum()) for p in peers)
+    counts = (EXPERTS - local) * 8 if ctx.ep > 1 else 0
+    return 2 * (sent + received) * 16 * element_size + counts
+
+
+def _case_errors(ctx, ledger, serial, local, inputs, case: str, gated: bool) -> dict[str, float]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     dispatcher_type, capacity = CASES[case]
     x, experts_TK, probs_TK, g = inputs[rank]
     x, probs_TK = _leaf(x), _leaf(probs_TK)
     local.zero_grad(set_to_none=True)
+    ledger.enabled = True
     y = dispatcher_type(EXPERTS, ctx, capacity)(x, probs_TK, experts_TK, local)
     (y * g).sum().backward()
+    ledger.enabled, sent = False, ledger.take()
     outs, dxs, dprobs, dweights = _reference(serial, inputs, capacity, gated)
     errs = {"out": (y - outs[rank]).abs().max(), "dx": (x.grad - dxs[rank]).abs().max(),
             "dprobs": (probs_TK.grad - dprobs[rank]).abs().max()}
     for name, p in local.named_parameters():
         errs[f"d{name}"] = (p.grad - local_slice(dweights[name], p)).abs().max()
+    if case == "dropless":
+        expected = _dropless_ep_bytes(ctx, inputs, rank, x.element_size())
+        errs["traffic"] = torch.tensor(abs(sent.get("all_to_all/ep", 0) - expected))
     return {k: float(v.detach()) for k, v in errs.items()}
 
 
@@ -85,7 +103,8 @@ def check_grids(pstate, grids: list[tuple[int, int]]) -> dict[str, float]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     for etp, ep in grids:
         grid = Layout.from_world(world, 1, 1, ep=ep, etp=etp)  # the world is etp x ep: edp = 1
-        ctx = ExpertContext.of(ParallelState.build(grid, "cpu") if world > 1 else ParallelState.serial())
+        pstate = ParallelState.build(grid, "cpu") if world > 1 else ParallelState.serial()
+        ctx = ExpertContext.of(pstate)
         for arch in ("llama", "gpt2"):
             cfg = moe_config(arch)
             for dtype in (torch.float64, torch.float32):
@@ -101,7 +120,8 @@ def check_grids(pstate, grids: list[tuple[int, int]]) -> dict[str, float]:
                             local.get_parameter(name).copy_(local_slice(p, local.get_parameter(name)))
                 inputs = _world_inputs(world, dtype)
                 for case in CASES:
-                    for q, v in _case_errors(ctx, serial, local, inputs, case, arch == "llama").items():
+                    for q, v in _case_errors(ctx, pstate.ledger, serial, local, inputs, case,
+                                                arch == "llama").items():
                         errors[f"{tag}/{case}/{q}"] = v
     return errors
 
@@ -111,7 +131,8 @@ def _assert_within(per_rank: list[dict[str, float]]) -> None:
     for rank, errors in enumerate(per_rank):
         for key, err in errors.items():
             dtype = torch.float64 if "/float64/" in key else torch.float32
-            limit = 0.0 if "/init/" in key else LIMITS[dtype]["out" if key.endswith("/out") else "grad"]
+            exact = "/init/" in key or key.endswith("/traffic")
+            limit = 0.0 if exact else LIMITS[dtype]["out" if key.endswith("/out") else "grad"]
             if not err <= limit:
                 bad.append(f"rank {rank} {key}: {err:.3g} > {limit:g}")
     assert not bad, "\n".join(bad)

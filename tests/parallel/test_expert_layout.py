@@ -8,9 +8,11 @@ those groups.
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megazero.config import ConfigError
+from megazero.parallel import collectives as C
 from megazero.parallel.layout import Layout, describe_nodes
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
@@ -98,9 +100,17 @@ def _mine(groups: list[list[int]], rank: int) -> list[int] | None:
     return None if len(group) == 1 else group
 
 
+def _ledger_axes(pstate: ParallelState) -> set[str]:
+    """The axes the ledger charges one all-reduce over each MoE group to."""
+    pstate.ledger.enabled = True
+    for group in (pstate.ep_group, pstate.etp_group, pstate.edp_group, pstate.tp_cp_group):
+        C.all_reduce(torch.ones(2), group)
+    return set(pstate.ledger.take())
+
+
 def _built_groups(pstate: ParallelState) -> list[dict]:
     """On one 8-rank world, every layout below: the ranks of each MoE group and this rank's expert coordinates."""
-    out = []
+    out: list[dict] = [{"axes": _ledger_axes(pstate)}]
     for tp, cp, pp, etp, ep in ((2, 2, 1, 1, 4), (2, 1, 2, 1, 2), (1, 2, 1, 2, 2)):
         state = pstate if (tp, cp, pp, etp, ep) == (2, 2, 1, 1, 4) else \
             ParallelState.build(_layout(8, tp, cp, pp, etp, ep), "cpu")
@@ -113,7 +123,8 @@ def _built_groups(pstate: ParallelState) -> list[dict]:
 
 def test_parallel_state_builds_the_groups_the_arithmetic_gives():
     results = spawn(_built_groups, 8, tp=2, cp=2, ep=4, etp=1)
-    for rank, built in enumerate(results):
+    for rank, (charged, *built) in enumerate(results):
+        assert charged["axes"] == {"all_reduce/ep", "all_reduce/edp", "all_reduce/tp_cp"}  # etp 1: no group
         for got in built:
             tp, cp, pp, etp, ep = got["case"]
             dp = 8 // (tp * cp * pp)

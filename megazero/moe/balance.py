@@ -57,6 +57,12 @@ def attach_loss(out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Te
     return AuxLossScaler.apply(out, loss, scale)
 
 
+def count_slots(slots: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of ``size`` slots occurs in ``slots`` (int64): ``bincount`` with a fixed output shape,
+    which needs no device-to-host read of the largest id (a sync on GPU) and keeps shapes static."""
+    return torch.zeros(size, dtype=torch.int64, device=slots.device).scatter_add_(0, slots, torch.ones_like(slots))
+
+
 def balance_scores(logits_TE: torch.Tensor, score_function: str) -> torch.Tensor:
     """The per-expert probabilities P is made of: softmax over all E, or the sigmoids normalised to sum 1."""
     if score_function == "softmax":
@@ -136,7 +142,7 @@ class BalanceLosses:
         tokens, experts = experts_TK.shape[0], self.num_experts
         row_of_token = torch.arange(tokens, device=experts_TK.device) % rows
         slots = (row_of_token[:, None] * experts + experts_TK).flatten()
-        counts = torch.bincount(slots, minlength=rows * experts).to(torch.float64)
+        counts = count_slots(slots, rows * experts).to(torch.float64)
         extra = torch.stack([counts.new_tensor(tokens), lse_sq_T.detach().sum().to(torch.float64)])
         stats = torch.cat([counts, prob_sums_RE.detach().flatten().to(torch.float64), extra])
         C.all_reduce(stats, seq_group)

@@ -29,7 +29,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..parallel.collectives import Group
 from ..tensor_parallel.layers import set_spec
-from .balance import BalanceLosses
+from .balance import BalanceLosses, count_slots
 
 
 class Routing(NamedTuple):
@@ -72,7 +72,8 @@ class Router(nn.Module):
     ``sequence_parallel``: each TP rank routes its own tokens, so the replicated weight's gradient is a
     partial sum (reduced over TP, as every SP-replicated parameter). ``aux_scale`` multiplies the losses'
     gradients; the model sets it per micro-batch to the scaling its LM loss gets. ``last_losses`` holds
-    the whole (all-rank) loss values of the last forward, detached, for logging.
+    the whole (all-rank) loss values of the last forward, detached; ``take_step_losses`` their mean over a
+    step's micro-batches, for logging.
     """
 
     expert_bias: torch.Tensor | None  # a registered buffer [E] fp32 with --moe-router-enable-expert-bias, else None
@@ -92,6 +93,7 @@ class Router(nn.Module):
         self.aux_scale = 1.0
         self.last_losses: dict[str, torch.Tensor] = {}
         self._step_counts: torch.Tensor | None = None
+        self._step_losses: list[dict[str, torch.Tensor]] = []
 
     def extra_repr(self) -> str:
         cfg = self.cfg
@@ -109,9 +111,10 @@ class Router(nn.Module):
         probs_TK = self._weights(scores_TE, experts_TK)
         probs_TK, self.last_losses = self.balance.apply(probs_TK, logits_TE, experts_TK, seq_group, batch,
                                                         self.aux_scale)
-        counts = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        counts = count_slots(experts_TK.flatten(), self.num_experts)
         if self.training and not inside_backward():  # a recompute routes the same tokens again: count them once
             self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+            self._step_losses.append(self.last_losses)
         return Routing(probs_TK, experts_TK, counts)
 
     def _scores(self, logits_TE: torch.Tensor) -> torch.Tensor:
@@ -150,6 +153,12 @@ class Router(nn.Module):
         self._step_counts = None
         return counts if counts is not None else torch.zeros(self.num_experts, dtype=torch.int64,
                                                              device=self.weight.device)
+
+    def take_step_losses(self) -> dict[str, torch.Tensor]:
+        """The mean over this step's training forwards (micro-batches; recomputes excluded) of each loss value."""
+        losses, self._step_losses = self._step_losses, []
+        names = losses[0].keys() if losses else ()
+        return {name: torch.stack([values[name] for values in losses]).mean() for name in names}
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, rate: float) -> None:

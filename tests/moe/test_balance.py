@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from megazero.moe.balance import AuxLossScaler
 from tests.helpers.dist import spawn
@@ -74,6 +75,22 @@ def test_no_losses_no_values() -> None:
     router = make_router(router_cfg(moe_router_load_balancing_type="none"))
     router(tokens(TOKENS))
     assert router.last_losses == {}
+
+
+def test_step_losses_average_the_micro_batches_once_each() -> None:
+    """Two micro-batches, the second recomputed in backward (checkpointing): the step's mean counts each once."""
+    router = make_router(router_cfg(**LOSSES["aux+z"]))
+    router(tokens(TOKENS, seed=1))
+    first = dict(router.last_losses)
+    x = tokens(TOKENS, seed=2).requires_grad_()
+    with set_checkpoint_early_stop(False):  # recompute the whole function, as a block's recompute passes the router
+        checkpoint(lambda t: router(t, None, BATCH).probs, x, use_reentrant=False).sum().backward()
+    second = dict(router.last_losses)
+    assert first["aux_loss"] != second["aux_loss"]
+    step = router.take_step_losses()
+    for name in ("aux_loss", "z_loss"):
+        torch.testing.assert_close(step[name], (first[name] + second[name]) / 2, rtol=0, atol=1e-15)
+    assert router.take_step_losses() == {}
 
 
 def test_scaler_is_identity_forward_and_feeds_the_scale_backward() -> None:

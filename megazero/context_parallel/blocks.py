@@ -14,7 +14,10 @@ block's share of the softmax, dS = P * (dO V^T - rowsum(dO * O)), so each block'
 independent and simply add up.
 
 Kernels: on CPU, torch's flash-attention op (blocked, never materialises S x S, handles GQA and
-fp32/fp64/bf16); elsewhere, and for any dtype it refuses, a plain math version (matmuls and an fp32
+fp32/fp64/bf16); on CUDA, the fused kernels that return the LSE and take it back in their backward -
+flash attention for bf16/fp16, memory-efficient attention for fp32 (kv heads repeated for GQA, their
+gradients summed back); elsewhere,
+and for any dtype or head size they refuse (fp64 on CUDA), a plain math version (matmuls and an fp32
 softmax). Shapes: q [b, n, sq, d], k/v [b, g, sk, d] with n a multiple of g (q head h uses kv head
 h // (n/g)), lse [b, n, sq].
 """
@@ -32,6 +35,51 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _use_flash(q: torch.Tensor, force_math: bool) -> bool:
     return not force_math and q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES
+
+
+def _cuda_kernel(q: torch.Tensor, force_math: bool) -> str | None:
+    """The fused CUDA kernel for this block: "flash" (bf16/fp16), "efficient" (fp32), or None (math: fp64)."""
+    if force_math or q.device.type != "cuda" or q.shape[-1] % 8 or q.shape[-1] > 256:
+        return None
+    return {torch.bfloat16: "flash", torch.float16: "flash", torch.float32: "efficient"}.get(q.dtype)
+
+
+def _lse_rows(sq: int) -> int:
+    """The memory-efficient kernel pads its LSE rows to a multiple of 32; its backward reads them so."""
+    return -(-sq // 32) * 32
+
+
+def _cuda_forward(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    n, sq = q.shape[1], q.shape[2]
+    q, k, v = q.contiguous(), _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
+    if kind == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)[:2]
+    return out, lse[..., :sq].float().contiguous()
+
+
+def _cuda_backward(kind: str, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, n, sq, d = q.shape
+    g, sk = k.shape[1], k.shape[2]
+    q, kx, vx = q.contiguous(), _expand_kv(k, n).contiguous(), _expand_kv(v, n).contiguous()
+    dout, out, lse = dout.contiguous(), out.to(q.dtype).contiguous(), lse.float().contiguous()
+    if kind == "flash":  # dense, no dropout: no varlen offsets and no RNG state to hand back
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, kx, vx, out, lse, None, None, sq, sk, 0.0, causal, None, None)
+    else:
+        no_rng = torch.empty(0, dtype=torch.int64, device=q.device)  # dropout 0: the kernel draws nothing
+        padded = lse.new_zeros(b, n, _lse_rows(sq))
+        padded[..., :sq] = lse
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, kx, vx, None, out, padded, no_rng, no_rng, 0.0, (True, True, True, False), causal)
+    if g != n:  # repeated kv heads: each kv head's gradient is the sum over its query heads
+        dk, dv = dk.view(b, g, n // g, sk, d).sum(2), dv.view(b, g, n // g, sk, d).sum(2)
+    acc = acc_dtype(q.dtype)
+    return dq.to(acc), dk.to(acc), dv.to(acc)
 
 
 def _expand_kv(t_bgsd: torch.Tensor, heads: int) -> torch.Tensor:
@@ -87,6 +135,9 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     if _use_flash(q, force_math):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
         return out, lse.to(acc_dtype(q.dtype)).contiguous()
+    kind = _cuda_kernel(q, force_math)
+    if kind is not None:
+        return _cuda_forward(kind, q, k, v, causal)
     return math_forward(q, k, v, causal)
 
 
@@ -97,6 +148,9 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if _use_flash(q, force_math):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q, k, v, out.contiguous(), lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal)
+    kind = _cuda_kernel(q, force_math)
+    if kind is not None:
+        return _cuda_backward(kind, dout, q, k, v, out, lse, causal)
     return math_backward(dout, q, k, v, out, lse, causal)
 
 

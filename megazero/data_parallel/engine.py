@@ -242,10 +242,10 @@ class GradSyncEngine:
 
     @property
     def sums_norm_over_dp(self) -> bool:
-        """Whether ``sum_over_shards`` sums over dp x cp: sharded (ZeRO 1-3), or with expert weights, whose
-        shards differ across ep (folded over tp x cp x dp) even where dense copies do not. The dp x cp ranks
-        hold the same chunks, so they agree on it."""
-        return self.stage.shards_optimizer_state or True in self.groups
+        """Whether ``sum_over_shards`` sums over dp x cp: sharded (ZeRO 1-3), or with an expert grid that is not
+        the dense one (ep > 1 or etp != tp), whose expert shards differ across ranks holding the same dense copy.
+        A fact of the layout, not of the chunks, so every rank agrees (a pipeline stage without experts too)."""
+        return self.stage.shards_optimizer_state or self.pstate.ep > 1 or self.pstate.etp != self.pstate.tp
 
     def sum_over_shards(self, t: torch.Tensor) -> None:
         """Sum a per-shard quantity (e.g. a squared norm, summed over tp x pp first) over the ranks owning the

@@ -15,9 +15,10 @@ model-parallel group (tp x pp), and the gradient-sync engine over dp x cp when s
 Mixture-of-experts expert weights differ across ep, etp and pp ranks (ep folds over tp x cp x dp)
 and are sharded (ZeRO 1-3) or replicated (ZeRO 0) over the expert-data-parallel group: etp-split
 ones count on every etp rank, unsplit ones on etp rank 0, and when replicated over edp on edp rank
-0 only. With expert weights the engine sums over dp x cp at ZeRO 0 too, so there a dense copy,
-replicated over dp x cp, counts on dp x cp rank 0 only (the others add exact zeros: the dense sum
-is the one without experts).
+0 only. With an expert grid that is not the dense one (ep > 1 or etp != tp) the engine sums over
+dp x cp at ZeRO 0 too (``GradSyncEngine.sums_norm_over_dp``), so there a dense copy, replicated over
+dp x cp, counts on dp x cp rank 0 only (the others add exact zeros: the dense sum is the one without
+experts). With the same grid (ep 1, etp = tp) the edp group is dp x cp: experts count as dense copies.
 """
 from __future__ import annotations
 
@@ -32,15 +33,14 @@ def counts_for_norm(p: torch.Tensor, pstate: ParallelState, sharded: bool = Fals
     """Whether this rank's copy of ``p`` contributes to the global grad norm.
 
     ``sharded``: ZeRO 1-3, each rank of the reduction group holds a different shard of ``p``'s bucket;
-    ``summed_over_dp``: the engine sums the squares over dp x cp (sharded, or a model with expert weights).
+    ``summed_over_dp``: the engine sums the squares over dp x cp (``GradSyncEngine.sums_norm_over_dp``).
     """
     spec = spec_of(p)
     if spec.tied_role == "embedding_copy":
         return False
-    if spec.expert:
-        return (spec.split_dim is not None or pstate.etp_rank == 0) and (sharded or pstate.edp_rank == 0)
-    one_replica = sharded or not summed_over_dp or pstate.dp_cp_rank == 0
-    return (spec.split_dim is not None or pstate.tp_rank == 0) and one_replica
+    tp_rank, replica = (pstate.etp_rank, pstate.edp_rank) if spec.expert else (pstate.tp_rank, pstate.dp_cp_rank)
+    one_replica = sharded or not summed_over_dp or replica == 0
+    return (spec.split_dim is not None or tp_rank == 0) and one_replica
 
 
 # Elements upcast to fp64 at a time. CPU: 512 KiB of fp64 stays in cache, so the fp64 sum costs what

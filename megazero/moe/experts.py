@@ -47,8 +47,11 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def grouped_linear(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of ``x_NI`` (sorted by expert, ``counts[l]`` for expert l) times their expert's ``w_LIO``."""
-    if grouped_mm_supported(x_NI, w_LIO):
+    """Rows of ``x_NI`` (sorted by expert, ``counts[l]`` for expert l) times their expert's ``w_LIO``.
+
+    No rows at all (no token reached this rank's experts) takes the loop: an empty gradient keeps its stride 0
+    through ``contiguous()``, which the grouped GEMM's backward refuses."""
+    if x_NI.shape[0] and grouped_mm_supported(x_NI, w_LIO):
         offs = torch.tensor(counts, device=x_NI.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x_NI, w_LIO, offs=offs))
     pieces = [rows @ w for rows, w in zip(x_NI.split(counts), w_LIO)]

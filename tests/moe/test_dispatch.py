@@ -149,7 +149,7 @@ def test_expert_parallel_matches_dense_reference(world, grids):
 
 def test_grouped_linear_takes_empty_and_single_row_experts_and_a_sum_backward():
     """The grouped GEMM (fp32) equals the fp64 per-expert loop, with experts of 0 and 1 rows, and its backward
-    accepts the stride-0 gradient of ``.sum()``."""
+    accepts the stride-0 gradient of ``.sum()``, also when no row at all arrived."""
     counts = [3, 0, 1, 4]
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
     w = torch.randn(4, 16, 8, generator=torch.Generator().manual_seed(2))
@@ -161,6 +161,9 @@ def test_grouped_linear_takes_empty_and_single_row_experts_and_a_sum_backward():
     assert (x32.grad.double() - x64.grad).abs().max() < 1e-5
     assert (w32.grad.double() - w64.grad).abs().max() < 1e-5
     assert w32.grad[1].abs().max() == 0
+    nothing = _leaf(x[:0])  # no token reached any local expert
+    grouped_linear(nothing, w32, [0, 0, 0, 0]).sum().backward()
+    assert nothing.grad.shape == (0, 16)
 
 
 def test_grouped_linear_in_bf16_matches_fp64_loop_and_falls_back_where_unaligned():

@@ -13,8 +13,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from .config import SECTIONS, Config, ConfigError, flag
+from .config import SECTIONS, Config, ConfigError, ModelConfig, flag
 from .config_fields import field_kind
+from .moe_config import MoEFields
 
 
 def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
@@ -43,11 +44,17 @@ def build_parser(prog: str = "pretrain_gpt.py", extra: Sequence[tuple[str, dict]
     parser.add_argument("--config", help="YAML preset; its keys are the flag names with underscores.")
     for name, kwargs in extra:
         parser.add_argument(name, **kwargs)
+    moe_fields = {f.name for f in fields(MoEFields)}  # ModelConfig inherits them first: listed apart, after it
     for section, klass in SECTIONS.items():
         group = parser.add_argument_group(section)
         hints = typing.get_type_hints(klass)
         for f in fields(klass):
-            _add_field(group, f, hints[f.name])
+            if f.name not in moe_fields:
+                _add_field(group, f, hints[f.name])
+        if klass is ModelConfig:
+            moe = parser.add_argument_group("mixture of experts (model)")
+            for f in (f for f in fields(klass) if f.name in moe_fields):
+                _add_field(moe, f, hints[f.name])
     return parser
 
 

@@ -11,7 +11,7 @@ from dataclasses import fields
 
 import pytest
 
-from megazero.arguments import parse_config
+from megazero.arguments import build_parser, parse_config
 from megazero.checkpoint.load import merge_config
 from megazero.config import Config, ConfigError, ModelConfig
 from megazero.moe_config import MoEFields
@@ -160,3 +160,9 @@ def test_checkpoints_record_the_moe_model_and_old_ones_still_load():
     assert (merged.model.num_experts, merged.model.moe_router_topk) == (8, 4) and "--num-experts 8" in changed
     with pytest.raises(ConfigError, match=r"^--num-experts 4 contradicts the checkpoint's 8; "):
         merge_config({"config": moe.to_flat()}, parse_config(["--num-experts", "4"])[0])
+
+
+def test_help_lists_the_moe_flags_in_their_own_group_after_the_model():
+    text = build_parser().format_help()
+    assert text.index("--arch") < text.index("mixture of experts (model):") < text.index("--num-experts") \
+        < text.index("--lr ")

@@ -31,8 +31,6 @@ import torch
 from ..parallel import collectives as C
 from ..parallel.collectives import Group
 
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
-
 
 class AuxLossScaler(torch.autograd.Function):
     """forward: ``out`` unchanged / backward: ``out``'s gradient unchanged, and ``scale`` as d(total)/d(``loss``).

@@ -87,17 +87,12 @@ def make_plan(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int
     return Plan(padded_slot // topk, padded_slot, torch.full_like(per_expert, cap))
 
 
-def _with_padding_row(x_TH: torch.Tensor, probs_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x with a zero row T appended, and the flat weights with a 0 at T * k (what padding assignments read)."""
-    x_pad = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))])
-    probs_pad = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])
-    return x_pad, probs_pad
-
-
-def combine_weighted(out_AH: torch.Tensor, plan: Plan, probs_pad: torch.Tensor, tokens: int) -> torch.Tensor:
+def combine_weighted(out_AH: torch.Tensor, plan: Plan, probs_TK: torch.Tensor) -> torch.Tensor:
     """sum over a token's kept choices of weight x expert output: [T, H] in the activations' dtype."""
+    probs_pad = torch.cat([probs_TK.reshape(-1), probs_TK.new_zeros(1)])  # slot T * k: padding weighs 0
     weighted = out_AH * probs_pad[plan.slot].unsqueeze(-1)  # promoted: fp32 weights, bf16 rows add in fp32
-    y = weighted.new_zeros((tokens + 1, out_AH.shape[1])).index_add(0, plan.token, weighted)
+    tokens = probs_TK.shape[0]
+    y = weighted.new_zeros((tokens + 1, out_AH.shape[1])).index_add(0, plan.token, weighted)  # row T: padding
     return y[:tokens].to(out_AH.dtype)
 
 
@@ -111,13 +106,14 @@ class AllToAllDispatcher:
                  experts: GroupedExperts) -> torch.Tensor:
         ep, group = self.ctx.ep, self.ctx.ep_group
         plan = make_plan(experts_TK, probs_TK, self.num_experts, self.capacity)
-        x_pad, probs_pad = _with_padding_row(x_TH, probs_TK)
+        padded = self.capacity is not None and self.capacity.pad
+        x_src = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))]) if padded else x_TH  # row T: padding
         received = torch.empty_like(plan.per_expert)  # [ep * L]: rows for each local expert from each source
         C.all_to_all_single(received, plan.per_expert, group)
         received_EL = received.view(ep, -1)
         send_splits = plan.per_expert.view(ep, -1).sum(1).tolist()
         recv_splits = received_EL.sum(1).tolist()
-        rows = all_to_all_rows(x_pad[plan.token], group, recv_splits, send_splits)  # [source][local expert]
+        rows = all_to_all_rows(x_src[plan.token], group, recv_splits, send_splits)  # [source][local expert]
         counts = received_EL.sum(0).tolist()
         if ep == 1:
             out = experts(rows, counts)
@@ -125,7 +121,7 @@ class AllToAllDispatcher:
             order = torch.argsort(torch.cat([expert_ids(row) for row in received_EL]), stable=True)
             out = experts(rows[order], counts)[torch.argsort(order)]
         back = all_to_all_rows(out, group, send_splits, recv_splits)  # in the order sent: plan's assignments
-        return combine_weighted(back, plan, probs_pad, x_TH.shape[0])
+        return combine_weighted(back, plan, probs_TK)
 
 
 class AllGatherDispatcher:
@@ -152,6 +148,5 @@ class AllGatherDispatcher:
         topk = experts_TK.shape[1]
         out = experts(x_all[slot // topk], counts.tolist())
         plan = Plan(slot // topk, slot, counts)
-        y_all = combine_weighted(out, plan, torch.cat([probs_all.reshape(-1), probs_all.new_zeros(1)]),
-                                 x_all.shape[0])
+        y_all = combine_weighted(out, plan, probs_all)
         return reduce_scatter_to_sequence_parallel_region(y_all, group)

@@ -47,7 +47,7 @@ def _param(name: str, value: float) -> nn.Parameter:
     shape, expert, split = PARAMS[name]
     data = value + torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
     p = set_spec(nn.Parameter(data), split_dim=0 if split else None, expert=expert)
-    p.toy_name = name  # type: ignore[attr-defined]
+    p.toy_name = name  # which PARAMS entry: what _check_shards expects of it
     return p
 
 

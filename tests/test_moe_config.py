@@ -163,6 +163,6 @@ def test_checkpoints_record_the_moe_model_and_old_ones_still_load():
 
 
 def test_help_lists_the_moe_flags_in_their_own_group_after_the_model():
-    text = build_parser().format_help()
-    assert text.index("--arch") < text.index("mixture of experts (model):") < text.index("--num-experts") \
-        < text.index("--lr ")
+    text = build_parser().format_help()  # each flag's own entry starts a line
+    assert text.index("\n  --arch") < text.index("\nmixture of experts (model):") < text.index("\n  --num-experts") \
+        < text.index("\n  --lr ")

@@ -6,10 +6,11 @@
 The HF folder holds config.json (with architectures, dtype and the model's own
 max_position_embeddings), model.safetensors in --dtype (sharded above --max-shard-size) and
 the run's tokenizer: an HF tokenizer.json as it is, or a fast tokenizer that encodes exactly as
-its sentencepiece model; GPT2LMHeadModel or LlamaForCausalLM.from_pretrained loads it. An
-export replaces an earlier one in the folder whole (either layout), and a crash midway leaves
-it unloadable, never holding the old weights. A megazero checkpoint made from HF has no optimizer state:
-`pretrain_gpt.py --load DIR` continues pretraining from the weights.
+its sentencepiece model; GPT2LMHeadModel, LlamaForCausalLM or (llama with --qk-layernorm)
+Qwen3ForCausalLM.from_pretrained loads it. An export replaces an earlier one in the folder whole
+(either layout), and a crash midway leaves it unloadable, never holding the old weights. A
+megazero checkpoint made from HF has no optimizer state: `pretrain_gpt.py --load DIR` continues
+pretraining from the weights.
 """
 from __future__ import annotations
 

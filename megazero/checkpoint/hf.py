@@ -1,4 +1,4 @@
-"""Map a full megazero state dict to and from HF transformers (GPT2LMHeadModel, LlamaForCausalLM).
+"""Map a full megazero state dict to and from HF transformers (GPT2LMHeadModel, LlamaForCausalLM, Qwen3ForCausalLM).
 
 Both directions work on *full* tensors under megazero's canonical names
 (``layers.3.attention.qkv.weight``), i.e. the TP=1, single-stage model; the
@@ -8,8 +8,9 @@ The one layout that needs care is the fused QKV weight, stored group by
 group: for each of g query groups, its q heads, then k, then v (d rows each).
 HF GPT-2 wants [Q all heads; K; V] in a Conv1D (transposed) weight; HF Llama
 keeps separate q/k/v projections. RoPE needs no permutation: megazero rotates
-halves exactly as HF Llama does. Vocabulary padding rows are dropped going
-to HF and restored as zeros coming back.
+halves exactly as HF Llama does. Qwen3 is the llama family with per-head q/k
+RMSNorm (megazero's --qk-layernorm): a llama model with it exports as Qwen3.
+Vocabulary padding rows are dropped going to HF and restored as zeros coming back.
 
 Configs map both ways too, and an HF config field the converter cannot express
 is refused rather than dropped: a silently dropped field (a bias, a RoPE
@@ -46,7 +47,14 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfi
     return torch.cat(parts, dim=1).reshape(g * (per + 2) * d, *rest)
 
 
-ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_kind(cfg: ModelConfig) -> str:
+    """The HF model_type that computes what ``cfg`` does: Llama has no q/k norms, Qwen3 always has them."""
+    if cfg.arch == "gpt2":
+        return "gpt2"
+    return "qwen3" if cfg.qk_layernorm else "llama"
 
 
 def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None,
@@ -61,9 +69,9 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
     import transformers
 
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}
-    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied_embeddings,
-                  initializer_range=cfg.init_method_std, architectures=[ARCHITECTURES[cfg.arch]],
-                  dtype=str(dtype).removeprefix("torch."), **ids)
+    common: dict[str, Any] = dict(
+        vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied_embeddings, initializer_range=cfg.init_method_std,
+        architectures=[ARCHITECTURES[hf_kind(cfg)]], dtype=str(dtype).removeprefix("torch."), **ids)
     if cfg.arch == "gpt2":
         if cfg.query_groups != cfg.num_attention_heads:
             raise ValueError(f"--num-query-groups {cfg.query_groups} (grouped-query attention) cannot be expressed "
@@ -79,12 +87,14 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
                     low_freq_factor=cfg.rope_scaling_low_freq_factor,
                     high_freq_factor=cfg.rope_scaling_high_freq_factor,
                     original_max_position_embeddings=cfg.rope_scaling_original_max_position_embeddings)
-    return transformers.LlamaConfig(
+    common.update(
         hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size, num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.query_groups, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.position_table_size, rms_norm_eps=cfg.norm_epsilon, rope_parameters=rope,
-        attention_bias=False, mlp_bias=False, hidden_act="silu", pretraining_tp=1,
-        attention_dropout=cfg.attention_dropout, **common)
+        attention_bias=False, hidden_act="silu", attention_dropout=cfg.attention_dropout)
+    if cfg.qk_layernorm:
+        return transformers.Qwen3Config(use_sliding_window=False, **common)
+    return transformers.LlamaConfig(mlp_bias=False, pretraining_tp=1, **common)
 
 
 def _gpt2_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
@@ -102,10 +112,17 @@ def _gpt2_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
     }
 
 
+def _head_norm_names(i: int) -> dict[str, str]:
+    """megazero -> HF names of layer ``i``'s q/k head norms (--qk-layernorm; Qwen3)."""
+    return {f"layers.{i}.attention.{n}_norm.weight": f"model.layers.{i}.self_attn.{n}_norm.weight" for n in "qk"}
+
+
 def _llama_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
     p, o = f"layers.{i}.", f"model.layers.{i}."
     q, k, v = _split_qkv(src[p + "attention.qkv.weight"], cfg)
+    norms = {theirs: src[ours] for ours, theirs in _head_norm_names(i).items()} if cfg.qk_layernorm else {}
     return {
+        **norms,
         o + "input_layernorm.weight": src[p + "norm1.weight"],
         o + "self_attn.q_proj.weight": q, o + "self_attn.k_proj.weight": k, o + "self_attn.v_proj.weight": v,
         o + "self_attn.o_proj.weight": src[p + "attention.proj.weight"],
@@ -177,7 +194,9 @@ def _layer_from_hf(src: State, i: int, cfg: ModelConfig) -> State:
         }
     o = f"model.layers.{i}."
     a = o + "self_attn."
+    norms = {ours: src[theirs] for ours, theirs in _head_norm_names(i).items()} if cfg.qk_layernorm else {}
     return {
+        **norms,
         p + "norm1.weight": src[o + "input_layernorm.weight"],
         p + "attention.qkv.weight": _fuse_qkv(src[a + "q_proj.weight"], src[a + "k_proj.weight"],
                                               src[a + "v_proj.weight"], cfg),
@@ -212,6 +231,7 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "llama": {"hidden_act": ("silu", "swish"), "attention_bias": (False,), "mlp_bias": (False,),
               "pretraining_tp": (1,), "partial_rotary_factor": (1.0,), "sliding_window": (),
               "use_sliding_window": (False,), "rope_interleaved": (False,)},
+    "qwen3": {"hidden_act": ("silu", "swish"), "attention_bias": (False,), "use_sliding_window": (False,)},
 }
 # Fields read into ModelConfig (checked by the readers below).
 MAPPED = {
@@ -222,6 +242,11 @@ MAPPED = {
               "rope_theta", "rope_parameters", "rope_scaling", "original_max_position_embeddings",
               "tie_word_embeddings"},
 }
+# Qwen3 reads llama's fields; sliding_window and max_window_layers only act with use_sliding_window (which
+# must be false), and layer_types is checked to be all full attention.
+MAPPED["qwen3"] = MAPPED["llama"] | {"sliding_window", "max_window_layers", "layer_types"}
+# head_dim when config.json leaves it out: transformers' Qwen3Config defaults to 128, Llama to hidden / heads.
+DEFAULT_HEAD_DIM = {"qwen3": 128}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -273,10 +298,10 @@ def _rope_from_hf(config: dict[str, Any], problems: list[str]) -> dict[str, Any]
 
 
 def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json") -> ModelConfig:
-    """ModelConfig of an HF GPT-2 or Llama config dict; raises naming every field it cannot express."""
+    """ModelConfig of an HF GPT-2, Llama or Qwen3 config dict; raises naming every field it cannot express."""
     kind = config.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise ValueError(f"{source}: model_type {kind!r} is not supported; convert a gpt2 or llama model.")
+    if kind not in ARCHITECTURES:
+        raise ValueError(f"{source}: model_type {kind!r} is not supported; convert a gpt2, llama or qwen3 model.")
     problems = _unmapped(config, kind)
     if kind == "gpt2":
         settings = dict(arch="gpt2", num_layers=config["n_layer"], hidden_size=config["n_embd"],
@@ -285,18 +310,26 @@ def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json")
                         vocab_size=config["vocab_size"], norm_epsilon=config.get("layer_norm_epsilon", 1e-5),
                         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", True))
     else:
-        hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        if config.get("head_dim") not in (None, hidden // heads):
-            problems.append(f"head_dim={config['head_dim']} (megazero uses hidden_size / num_attention_heads = "
-                            f"{hidden // heads})")
-        settings = dict(arch="llama", num_layers=config["num_hidden_layers"], hidden_size=hidden,
-                        num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads"),
-                        ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
-                        max_position_embeddings=config["max_position_embeddings"],
-                        vocab_size=config["vocab_size"], norm_epsilon=config.get("rms_norm_eps", 1e-6),
-                        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
-                        **_rope_from_hf(config, problems))
+        settings = _llama_family_settings(config, kind, problems)
     if problems:
         raise ValueError(f"{source} has {kind} settings megazero cannot express, so the converted model would "
                          f"compute something else: {'; '.join(problems)}; convert a model without them.")
     return ModelConfig(**settings)
+
+
+def _llama_family_settings(config: dict[str, Any], kind: str, problems: list[str]) -> dict[str, Any]:
+    """ModelConfig settings of an HF Llama or Qwen3 config (Qwen3: --qk-layernorm); appends what it cannot take."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim", DEFAULT_HEAD_DIM.get(kind))
+    if head_dim not in (None, hidden // heads):
+        problems.append(f"head_dim={head_dim} (megazero uses hidden_size / num_attention_heads = {hidden // heads})")
+    if any(t != "full_attention" for t in config.get("layer_types") or ()):
+        problems.append(f"layer_types={json.dumps(config['layer_types'])} (megazero attends over the whole "
+                        "causal context in every layer)")
+    return dict(arch="llama", qk_layernorm=kind == "qwen3", num_layers=config["num_hidden_layers"],
+                hidden_size=hidden, num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads"),
+                ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
+                max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"],
+                norm_epsilon=config.get("rms_norm_eps", 1e-6),
+                untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+                **_rope_from_hf(config, problems))

@@ -1,7 +1,7 @@
 """Mixture-of-experts gradient sync, exactly (issue 33, "Groups"): dense gradients reduce over dp x cp, expert
 gradients over their expert-data-parallel group, both with the net factor 1 / (dp x cp); the grad norm counts
-every expert shard once; ZeRO 1-3 (both reshard modes, offload, overlapped gathers) gather expert parameters
-back over that group.
+every expert shard once; ZeRO 1-3 (both reshard modes, host and disk offload, overlapped gathers) gather expert
+parameters back over that group.
 
 Every rank sets element i of every gradient to (i + 1) x 2^rank (a linear loss), so each reduced value is
 (i + 1) x (a sum of distinct powers of two) / (dp x cp): exact in fp32, as are the squares the fp64 norm adds.
@@ -34,13 +34,18 @@ BLOCKS = 2
 # name -> (local shape, expert, split): "split" is over tp (dense) or etp (expert); unsplit copies are replicas
 PARAMS = {"head": ((3, 4), False, True), "dense": ((5,), False, False),
           "expert_w": ((2, 3), True, True), "expert_b": ((2, 2), True, False)}
-RUNS = {"z0": dict(stage=0), "z1": dict(stage=1), "z1.overlap": dict(stage=1, overlap_param_gather=True),
-        "z2": dict(stage=2),
-        "z2.every": dict(stage=2, grad_reduction=GradReduction.EVERY_MICRO_BATCH),
-        "z3": dict(stage=3, gathering=UnitGathering(reshard_after_forward=True)),
-        "z3.keep": dict(stage=3, gathering=UnitGathering(reshard_after_forward=False)),
-        "z3.offload": dict(stage=3, placement=StatePlacement(optimizer_state=Placement.HOST,
-                                                             parameters=Placement.HOST))}
+
+
+def engine_runs(folder: str) -> dict[str, dict]:
+    """The engine settings each layout runs (``folder``: the disk tier's --offload-path)."""
+    return {"z0": dict(stage=0), "z1": dict(stage=1), "z1.overlap": dict(stage=1, overlap_param_gather=True),
+            "z2": dict(stage=2), "z2.every": dict(stage=2, grad_reduction=GradReduction.EVERY_MICRO_BATCH),
+            "z3": dict(stage=3, gathering=UnitGathering(reshard_after_forward=True)),
+            "z3.keep": dict(stage=3, gathering=UnitGathering(reshard_after_forward=False)),
+            "z3.host": dict(stage=3, placement=StatePlacement(optimizer_state=Placement.HOST,
+                                                              parameters=Placement.HOST)),
+            "z3.disk": dict(stage=3, placement=StatePlacement(optimizer_state=Placement.DISK, parameters=Placement.DISK,
+                                                              offload_path=folder))}
 
 
 def _param(name: str, value: float) -> nn.Parameter:
@@ -173,22 +178,22 @@ def _tag(grid: dict) -> str:
     return "tp{tp}.cp{cp}.pp{pp}.ep{ep}.etp{etp}".format(**grid)
 
 
-def _all_layouts(pstate: ParallelState, grids: list[dict]) -> dict:
-    out = {}
+def _all_layouts(pstate: ParallelState, grids: list[dict], folder: str) -> dict:
+    out, runs = {}, engine_runs(folder)
     for grid in grids:
         mine = ParallelState.build(Layout.from_world(pstate.layout.world_size, **grid), "cpu")
-        out.update({f"{_tag(grid)}.{name}": _run(mine, run) for name, run in RUNS.items()})
-        out[f"{_tag(grid)}.inf"] = _run(mine, RUNS["z1"], poison=True)
-        out[f"{_tag(grid)}.fp16.inf"] = _run(mine, RUNS["z0"], poison=True, fp16=True)
+        out.update({f"{_tag(grid)}.{name}": _run(mine, run) for name, run in runs.items()})
+        out[f"{_tag(grid)}.inf"] = _run(mine, runs["z1"], poison=True)
+        out[f"{_tag(grid)}.fp16.inf"] = _run(mine, runs["z0"], poison=True, fp16=True)
     return out
 
 
-def _check_world(world: int, grids: list[dict]) -> None:
-    results = spawn(_all_layouts, world, grids)
+def _check_world(world: int, grids: list[dict], folder: str) -> None:
+    results = spawn(_all_layouts, world, grids, folder)
     for grid in grids:
         layout, tag = Layout.from_world(world, **grid), _tag(grid)
         assert layout.expert.edp != layout.dp * layout.cp, "choose a grid where the two groups differ"
-        for name, run in RUNS.items():
+        for name, run in engine_runs(folder).items():
             for rank, res in enumerate(results):
                 got = res[f"{tag}.{name}"]
                 assert got["norm"] == expected_norm(layout) and not got["skipped"], (tag, name, rank, got)
@@ -211,5 +216,5 @@ def _check_world(world: int, grids: list[dict]) -> None:
          dict(tp=1, cp=1, pp=2, ep=2, etp=1)]),
     (8, [dict(tp=2, cp=2, pp=1, ep=2, etp=2), dict(tp=2, cp=2, pp=1, ep=4, etp=1)]),  # dp 2 cp 2: edp 2
 ], ids=["world4", "world8_tp2_cp2"])
-def test_expert_grads_reduce_over_edp_and_count_once_in_norm(world: int, grids: list[dict]) -> None:
-    _check_world(world, grids)
+def test_expert_grads_reduce_over_edp_and_count_once_in_norm(world: int, grids: list[dict], tmp_path) -> None:
+    _check_world(world, grids, str(tmp_path))

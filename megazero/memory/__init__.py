@@ -7,6 +7,8 @@
 - ``plan``: both combined per pipeline stage (``plan_memory``, ``format_plan``);
 - ``offload``: device / host / disk bytes with ``--offload-optimizer``/``--offload-params``, and an
   assumption-based cost per step;
+- ``documents``: what a plan assumes under ``--reset-attention-mask`` (documents of ``--plan-document-length``):
+  per-document attention bytes, the attended share of the attention work;
 - ``search``: feasible layouts on a cluster ranked by a step-time model (offload variants optional);
 - ``recompute_choice``: ``--recompute auto``, the cheapest recompute whose planned peak fits the budget, and
   the plans of a run (``plan_for_run``) and of the planner (``plan_for_cluster``), which may choose it.

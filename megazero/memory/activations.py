@@ -30,6 +30,9 @@ log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
 The math kernel (CPU with attention dropout) drops the RoPE/lse terms and
 keeps q (scaled), k and v expanded to n heads (v only for GQA, else the qkv
 output), the output, and three b n s^2 e / t matrices (softmax, mask, dropped).
+With ``--reset-attention-mask`` (``documents.py``: documents of a planned length L_d) the
+kernels run once per document: the math kernel's matrices are b n sum_d L_d^2 e / t each,
+and the flash kernel keeps the attention output twice (each document's and their concatenation).
 Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
 and its output. Full recompute keeps only ``s b h e / r`` per block.
 
@@ -72,6 +75,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .documents import square_sum
 
 
 @dataclass(frozen=True)
@@ -90,10 +94,16 @@ class ActivationSpec:
     cp_comm_type: str = "p2p"  # "p2p" (ring), "a2a" (Ulysses) or "a2a+p2p"
     cp_a2a: int = 1  # U: ranks per all-to-all group (1 ring only, cp all-to-all only)
     ce_chunk_size: int = 0  # --cross-entropy-chunk-size: > 0, the fused head + loss, this many tokens at a time
+    document_length: int | None = None  # --reset-attention-mask: the planned document length (``documents.py``)
 
     @property
     def shard(self) -> int:
         return self.tp if self.sequence_parallel else 1
+
+    @property
+    def ring(self) -> int:
+        """Ring positions of the CP group (cp / U; 1 for all-to-all alone or no CP)."""
+        return self.cp // self.cp_a2a
 
     @property
     def tokens(self) -> int:
@@ -129,12 +139,14 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
     if a.cp > 1:
         return _cp_core_bytes(cfg, a)
     if a.attention_kernel(cfg) == "flash":
-        # With GQA the kernel's output is laid out so the out-projection copies it (measured).
-        return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * (2 if g < n else 1)}
+        # With GQA the kernel's output is laid out so the out-projection copies it; per-document calls keep
+        # their outputs beside the concatenated one (both measured).
+        copies = 2 if g < n or a.document_length is not None else 1
+        return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * copies}
     expanded = s * b * n * d * e // t
     v_terms = expanded if g < n else qkv_out  # GQA expands v (a copy); MHA keeps the qkv view
     return {"q_scaled": expanded, "k_expanded": expanded, "v": v_terms,
-            "scores": 3 * b * n * s * s * e // t, "attn_out": out}
+            "scores": 3 * b * n * square_sum(s, a.document_length) * e // t, "attn_out": out}
 
 
 def kv_heads_per_rank(cfg: ModelConfig, a: ActivationSpec) -> int:

@@ -22,6 +22,7 @@ from ..dtypes import DTYPE_NAMES
 from ..run_plan import RunPlan, UnitGathering, ZeroStage
 from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_bytes, head_working_bytes,
                           in_flight_micro_batches, recompute_working_bytes)
+from .documents import document_lines, planned_document_length
 from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
@@ -93,7 +94,8 @@ class PlanSpec:
                               tp=self.run.tp, sequence_parallel=self.sequence_parallel, recompute=t.recompute,
                               dtype_bytes=self.run.compute_dtype.itemsize, device=self.device, cp=self.run.cp,
                               cp_comm_type=self.run.cp_comm_type, cp_a2a=self.run.cp_split.a2a,
-                              ce_chunk_size=t.cross_entropy_chunk_size)
+                              ce_chunk_size=t.cross_entropy_chunk_size,
+                              document_length=planned_document_length(self.cfg))
 
     @property
     def shard_ranks(self) -> int:
@@ -112,7 +114,8 @@ class PlanSpec:
                 "device": self.device, "layers_per_unit": g.layers_per_unit, "prefetch": g.prefetch,
                 "reshard_after_forward": g.reshard_after_forward, "grad_reduction": r.grad_reduction.value,
                 "offload_optimizer": where.optimizer_state.flag_word, "offload_params": where.parameters.flag_word,
-                "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size}
+                "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size,
+                "document_length": planned_document_length(self.cfg)}
 
 
 @dataclass
@@ -284,7 +287,7 @@ def format_plan(plan: MemoryPlan) -> str:
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
              f"sp {s.sequence_parallel}",
-             *_offload_lines(plan),
+             *_offload_lines(plan), *document_lines(s.cfg, r.cp_split.ring),
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
              f"{'transient':>9} {'total':>8}"]
@@ -327,6 +330,7 @@ def format_rows(plans: list[MemoryPlan]) -> str:
                      f"{st.activations_bytes / GIB:7.2f} {st.total_bytes / GIB:7.2f}"
                      + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
+    lines += document_lines(plans[0].spec.cfg, plans[0].spec.run.cp_split.ring)
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")
     if any(p.spec.run.zero == ZeroStage.GRADIENTS and p.spec.run.micro_batches > 1 for p in plans):

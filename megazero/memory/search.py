@@ -5,14 +5,17 @@ it ranks layouts rather than predicting wall time to the percent):
 
     FLOPs   training FLOPs per token, ``megazero.model.flops.flops_per_token`` (the
             trainer's MFU formula) with the padded vocabulary: 3 x forward, plus one
-            more block forward (full recompute) or attention core (selective)
+            more block forward (full recompute) or attention core (selective); under
+            --reset-attention-mask the attention core scaled by the planned documents'
+            attended share on the busiest ring rank (``documents.py``)
     t_mb    one micro-batch through one stage (s_l = s / cp tokens of a sample per rank) =
               FLOPs x b s / (pp tp cp) / (peak x efficiency)   (the balanced CP split)
             + TP: 4 collectives per block (6 with full recompute) of s_l b h e bytes,
               ring cost 2 (tp-1)/tp x bytes / intra-node bandwidth
             + CP, per block (``cp_seconds``), with kv = 2 s_l b g/t d e (this rank's K and V):
               p2p: (cp-1) K/V sends forward, (cp-1) K/V and cp fp32 dK/dV backward, the
-              forward's again with recompute; a2a: 4 all-to-alls forward and 4 backward of
+              forward's again with recompute (the same under a document mask: K/V a rank
+              skips still travel on); a2a: 4 all-to-alls forward and 4 backward of
               (cp-1)/cp of the local q, k, v, out (8 more with recompute); a2a+p2p: both, over
               U and cp/U ranks; intra-node bandwidth when tp x cp fits in a node
             + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth
@@ -45,6 +48,7 @@ from ..config import RECOMPUTE_MODES, Config, ModelConfig, Placement
 from ..model.flops import flops_per_token
 from ..run_plan import ZeroStage
 from .activations import kv_heads_per_rank
+from .documents import document_lines, planned_attended_share
 from .offload import OffloadHardware, describe
 from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
 
@@ -103,7 +107,8 @@ def cp_seconds(spec: PlanSpec, hw: Hardware) -> float:
 def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
     """Estimated seconds per optimizer step (see the module docstring)."""
     cfg, a, run, t = spec.model, spec.activation_spec(), spec.run, spec.cfg.training
-    flops = flops_per_token(cfg, t.recompute, t.recompute_num_layers, run.padded_vocab_size)
+    share = planned_attended_share(cfg.seq_length, a.document_length, a.ring)  # None: no document mask
+    flops = flops_per_token(cfg, t.recompute, t.recompute_num_layers, run.padded_vocab_size, attended_share=share)
     tokens_mb = run.micro_batch_size * cfg.seq_length
     compute = flops * tokens_mb / (run.pp * run.tp * run.cp) / (hw.peak_flops * hw.efficiency)
     act = run.micro_batch_size * a.tokens * cfg.hidden_size * a.dtype_bytes
@@ -230,6 +235,7 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> st
     tokens = cands[0].spec.model.seq_length * best.micro_batch_size * best.micro_batches * best.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
+             *document_lines(cands[0].spec.cfg, best.cp_split.ring),  # the share shown is the best layout's
              f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
              f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"
              + (f" {'offload':>14} {'host':>6} {'disk':>6} {'offl s':>6}" if offload else "")]

@@ -1,0 +1,71 @@
+"""What the planner assumes about packed documents under ``--reset-attention-mask``.
+
+The lengths of the packed documents are known only once data is read, so a plan assumes every
+sample cut into documents of ``--plan-document-length`` L tokens (the last one shorter when L does
+not divide S); without it, L = S: one document per sample, the upper bound of every figure below
+(plain causal attention's, but for the flash kernel's second output copy). From that sample:
+
+    attention work   the attention core's FLOPs scale by the attended share, sum_d L_d (L_d + 1) / 2 over
+                     S (S + 1) / 2 (``model.documents.attended_share``, the trainer's formula); under the
+                     ring each rank computes its own queries' pairs, and the slowest rank sets the step
+    math kernel      one call per document keeps its softmax, mask and dropped scores: 3 b n sum_d L_d^2 e / t
+                     instead of 3 b n S^2 e / t (measured: ``tests/memory/test_document_plan.py``)
+    flash kernel     per-document calls keep their outputs and the concatenated output beside them: the
+                     output twice, as GQA already does (measured, same test)
+    context parallel the ring's and the all-to-all's cores keep the same bytes and exchange the same K/V
+                     (measured, same test; a block a rank skips still travels on to the next)
+"""
+from __future__ import annotations
+
+from ..config import Config
+from ..model.documents import attended_share
+
+Bounds = tuple[tuple[int, ...], ...]
+
+
+def planned_document_length(cfg: Config) -> int | None:
+    """L of the plan: --plan-document-length (at most --seq-length), else --seq-length; None without the mask."""
+    if not cfg.data.reset_attention_mask:
+        return None
+    return min(cfg.data.plan_document_length or cfg.model.seq_length, cfg.model.seq_length)
+
+
+def planned_bounds(seq_length: int, document_length: int) -> Bounds:
+    """One sample of ``seq_length`` tokens cut into documents of ``document_length`` (cu_seqlens)."""
+    cuts = list(range(0, seq_length, document_length))
+    return (tuple(cuts + [seq_length]),)
+
+
+def square_sum(seq_length: int, document_length: int | None) -> int:
+    """sum_d L_d^2 over one planned sample (S^2 without the mask: ``document_length`` None)."""
+    if document_length is None:
+        return seq_length * seq_length
+    cuts = planned_bounds(seq_length, document_length)[0]
+    return sum((e - s) ** 2 for s, e in zip(cuts[:-1], cuts[1:]))
+
+
+def planned_attended_share(seq_length: int, document_length: int | None, ring: int = 1) -> float | None:
+    """The attention core's share of the causal pairs on the busiest rank (None: no document mask).
+
+    Under a ring of ``ring`` positions (cp / U; the all-to-all alone attends whole sequences) each
+    position computes its two load-balanced chunks' queries against every key; the largest share
+    sets the step.
+    """
+    if document_length is None:
+        return None
+    bounds = planned_bounds(seq_length, document_length)
+    if ring == 1:
+        return attended_share([bounds])
+    return max(attended_share([bounds], (rank, ring)) for rank in range(ring))
+
+
+def document_lines(cfg: Config, ring: int = 1) -> list[str]:
+    """The planner's line on the mask (none without it): what the figures assume."""
+    length = planned_document_length(cfg)
+    if length is None:
+        return []
+    seq = cfg.model.seq_length
+    upper = " (--seq-length: one document per sample, the upper bound)" if length == seq else ""
+    return [f"documents: --reset-attention-mask, planned as documents of {length} tokens{upper}; attention "
+            f"work x {planned_attended_share(seq, length, ring):.3f} of causal, math-kernel scores per document "
+            f"(S_d x S_d); --plan-document-length sets it"]

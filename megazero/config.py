@@ -107,6 +107,11 @@ class DataConfig:
                               "document's first token); the loss is the mean over the kept tokens of the global "
                               "batch.", applies=Needs("--cross-entropy-chunk-size 0", ("cross_entropy_chunk_size",),
                                                       lambda chunk: chunk == 0))
+    plan_document_length: int | None = opt(None, "Memory planner, --dry-run and layout search under "
+                                           "--reset-attention-mask: plan documents of this many tokens (the real "
+                                           "lengths are known only once data is read); None = --seq-length, one "
+                                           "document per sample (the upper bound).", at_least=1,
+                                           applies=when("reset_attention_mask", True))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -278,7 +278,7 @@ class GradSyncEngine:
         return hook
 
     def _launch(self, buf: ParamGradBuffer, b: Bucket) -> None:
-        """Start bucket ``b``'s reduction by the stage's policy (averaged: pre-divided by the group size)."""
+        """Start bucket ``b``'s reduction by the stage's policy over its buffer's group (pre-divided by dp x cp)."""
         grad_b = buf.bucket_grad(b)
         b.launched = True
         work, partial = self.reductions[buf.expert].launch(buf.grad_shard(b), grad_b)

@@ -56,8 +56,9 @@ class ReductionGroup:
         Each of the dp x cp token shards is scaled by dp x cp / B in its local loss (B: the global batch's
         tokens), so a dense rank's gradient is dp x cp times its share of the serial mean and averaging over
         dp x cp gives the serial gradient. An expert replica (one edp rank) instead computes its gradient
-        from the tokens routed to it from every rank of its expert-parallel group: the edp replicas together
-        see each of the B tokens once, each with the same weight dp x cp / B. Hence
+        from the tokens routed to it from every rank of its expert-parallel group (etp x ep ranks, each with
+        distinct tokens: tp ranks hold distinct sequence chunks under sequence parallelism): the edp replicas
+        together see each of the B tokens once, each with the same weight dp x cp / B. Hence
 
             serial = (1 / B) sum_all tokens = (1 / (dp x cp)) sum_{edp replicas} local gradient,
 

@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..moe.router import Router
 from .transformer import TransformerBlock
 
 
 def blocks_of(chunk: nn.Module) -> list[TransformerBlock]:
     """The transformer blocks of ``chunk`` (a ``GPTModel``, or any module holding blocks), in forward order."""
     return [m for m in chunk.modules() if isinstance(m, TransformerBlock)]
+
+
+def routers_of(chunk: nn.Module) -> list[Router]:
+    """The MoE routers of ``chunk``, in forward order (what sets their loss scaling or resets their bias)."""
+    return [m for m in chunk.modules() if isinstance(m, Router)]

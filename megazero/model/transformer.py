@@ -25,6 +25,8 @@ from ..config import ModelConfig
 from ..context_parallel import CPContext
 from ..context_parallel.attention import cp_attention
 from ..context_parallel.doc_blocks import Bounds, document_attention
+from ..moe.context import ExpertContext
+from ..moe.layer import MoELayer
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
@@ -41,6 +43,7 @@ class TPContext:
     sequence_parallel: bool = False
     rng: DropoutRNG | None = None  # None: dropout draws from the default generator
     cp: CPContext = CPContext()  # the sequence split over ranks; inactive at cp 1
+    experts: ExpertContext = ExpertContext()  # the expert grid's groups, for MoE layers; all size 1 by default
 
     def positions(self, local_tokens: int, device: torch.device | str,
                   documents: Documents | None = None) -> torch.Tensor:
@@ -233,7 +236,8 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(x)).
 
-    ``layer_id`` is the global layer index: it names the dropout streams the block draws from.
+    ``layer_id`` is the global layer index: it names the dropout streams the block draws from, and
+    ``cfg.is_moe_layer`` says whether its MLP is a mixture of experts (``moe.layer.MoELayer``) or dense.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, layer_id: int = 0) -> None:
@@ -242,7 +246,7 @@ class TransformerBlock(nn.Module):
         self.norm1 = make_norm(cfg, ctx)
         self.attention = Attention(cfg, ctx, layer_id)
         self.norm2 = make_norm(cfg, ctx)
-        self.mlp = MLP(cfg, ctx)
+        self.mlp: MLP | MoELayer = MoELayer(cfg, ctx.experts, layer_id) if cfg.is_moe_layer(layer_id) else MLP(cfg, ctx)
         self.recompute = "none"  # ``recompute.apply_recompute``: "full" checkpoints this block (its compiled body)
         self.compiled_body: Callable[..., torch.Tensor] | None = None  # --compile: ``compile.compile_block``
         self.dropout_eager = False  # --compile: the drawing dropout is a graph break (``compile.eager_sites``)

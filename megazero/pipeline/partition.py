@@ -19,8 +19,10 @@ from torch import nn
 
 from ..config import Config, ConfigError
 from ..context_parallel import CPContext
+from ..model.chunk import routers_of
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
+from ..moe.context import ExpertContext
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import initialize_parameters, materialize, spec_of
@@ -65,8 +67,9 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     """
     vp = plan.virtual_stages
     rng = dropout_rng(cfg, pstate) if rng is None else rng
+    experts = ExpertContext.of(pstate, plan.sequence_parallel, cfg.parallel.moe_token_dispatcher_type)
     ctx = TPContext(group=pstate.tp_group, sequence_parallel=plan.sequence_parallel, rng=rng,
-                    cp=cp_context(plan, pstate))
+                    cp=cp_context(plan, pstate), experts=experts)
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]
     chunks: list[nn.Module] = []
     for c, layer_ids in enumerate(ranges):
@@ -79,5 +82,7 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
             spec_of(model.embedding.word.weight).tied_role = "embedding"
         materialize(model, pstate.device, plan.compute_dtype)
         initialize_parameters(model, cfg.training.seed, pstate.tp_group)
+        for router in routers_of(model):  # buffers: materialize left the expert bias uninitialised
+            router.reset_expert_bias()
         chunks.append(model)
     return chunks

@@ -113,6 +113,15 @@ COMMANDS: dict[str, str] = {
     "chmod a-w /tmp/megazero-hf/data && .venv/bin/python pretrain_gpt.py --config configs/tiny.yaml --train-iters 20 "
     "--data-path /tmp/megazero-hf/data/corpus --tokenizer-model /tmp/megazero-hf/tok --data-cache-path "
     "/tmp/megazero-hf/index-cache": _TRAINS,
+    # docs/data.md and docs/context_parallel.md: packed documents
+    ".venv/bin/torchrun --nproc_per_node 4 pretrain_gpt.py --config configs/tiny.yaml --cp 2 --reset-position-ids "
+    "--reset-attention-mask --eod-mask-loss": _TRAINS + " (tests/context_parallel/test_cp_documents_training.py "
+                                              "trains with the three flags in every layout)",
+    ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --seq-length 32768 --cp 8 --dp 1 "
+    "--global-batch-size 8 --reset-attention-mask --plan-document-length 4096": RUN,
+    ".venv/bin/torchrun --nproc_per_node 4 pretrain_gpt.py --config configs/tiny.yaml --cp 4 --cp-comm-type a2a+p2p "
+    "--cp-a2a-size 2 --reset-position-ids --reset-attention-mask --eod-mask-loss": _TRAINS + " (the hybrid; "
+    "tests/context_parallel/test_cp_documents_training.py trains it with the flags)",
     "PYTHON=$PWD/.venv/bin/python srun --ntasks-per-node=1 tools/launch_slurm.sh --nproc-per-node 4 -- "
     "--config configs/tiny.yaml --tp 2 --save D --load D": _MULTI_NODE,
     "OFFLOAD=/path/on/a/fast/local/disk": "a placeholder for the reader's disk, used by the recipe below",

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import Config
 from ..data_parallel.engine import EngineSettings, GradSyncEngine
+from ..model.aux_loss import AuxLossScaling
 from ..model.chunk import blocks_of
 from ..model.compile import apply_compile
 from ..model.recompute import apply_recompute
@@ -72,4 +73,7 @@ def parallelize(chunks: list[nn.Module], plan: RunPlan, pstate: ParallelState, c
     if plan.compute_dtype == torch.float16:
         scaler = DynamicLossScaler(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window)
         scaler.attach(chunks)
+    # 5. MoE auxiliary losses: each chunk's routers scale them as its LM loss is scaled (model/aux_loss.py),
+    #    the fp16 scale included, so this follows step 4
+    AuxLossScaling(plan.micro_batches, pstate.cp, lambda: 1.0 if scaler is None else scaler.scale).attach(chunks)
     return TrainingModel(chunks, DistributedOptimizer(sync, cfg.optimizer, scaler))  # closes the engine if it fails

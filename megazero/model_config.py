@@ -20,6 +20,8 @@ class ModelConfig(MoEFields):
     num_attention_heads: int = opt(4, "Attention heads.", at_least=1)
     num_query_groups: int | None = opt(None, "Key/value heads for grouped-query attention; None = one per head.",
                                        at_least=1)
+    kv_channels: int | None = opt(None, "Attention head dimension; None = --hidden-size / --num-attention-heads "
+                                  "(Qwen3 models set it apart from that ratio).", at_least=1)
     ffn_hidden_size: int | None = opt(None, "MLP width; None = 4*hidden (gpt2) or 8/3*hidden rounded to 64 (llama).",
                                       at_least=1)
     seq_length: int = opt(128, "Tokens per training sample.", at_least=1)
@@ -51,9 +53,12 @@ class ModelConfig(MoEFields):
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(self.hidden_size % self.num_attention_heads == 0,
+        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
                  f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
-                 f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension.")
+                 f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension, or set --kv-channels.")
+        require(self.arch != "llama" or self.head_dim % 2 == 0,
+                 f"the head dimension ({self.head_dim}) must be even for RoPE (it rotates pairs); pick an even "
+                 "--kv-channels or --hidden-size / --num-attention-heads.")
         groups = self.query_groups
         require(1 <= groups <= self.num_attention_heads and self.num_attention_heads % groups == 0,
                  f"--num-attention-heads ({self.num_attention_heads}) must be divisible by --num-query-groups "
@@ -91,7 +96,7 @@ class ModelConfig(MoEFields):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:

@@ -76,6 +76,9 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
         if cfg.query_groups != cfg.num_attention_heads:
             raise ValueError(f"--num-query-groups {cfg.query_groups} (grouped-query attention) cannot be expressed "
                              f"by HF GPT2 ({cfg.num_attention_heads} heads); convert a model with one group per head.")
+        if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+            raise ValueError(f"--kv-channels {cfg.kv_channels} (a head dimension other than --hidden-size / "
+                             "--num-attention-heads) cannot be expressed by HF GPT2; convert a model without it.")
         return transformers.GPT2Config(
             n_positions=cfg.position_table_size, n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
             n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size, activation_function="gelu_new",
@@ -246,6 +249,7 @@ MAPPED = {
 # must be false), and layer_types is checked to be all full attention.
 MAPPED["qwen3"] = MAPPED["llama"] | {"sliding_window", "max_window_layers", "layer_types"}
 # head_dim when config.json leaves it out: transformers' Qwen3Config defaults to 128, Llama to hidden / heads.
+# One other than hidden / heads becomes --kv-channels.
 DEFAULT_HEAD_DIM = {"qwen3": 128}
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -318,16 +322,16 @@ def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json")
 
 
 def _llama_family_settings(config: dict[str, Any], kind: str, problems: list[str]) -> dict[str, Any]:
-    """ModelConfig settings of an HF Llama or Qwen3 config (Qwen3: --qk-layernorm); appends what it cannot take."""
+    """ModelConfig settings of an HF Llama or Qwen3 config (Qwen3: --qk-layernorm; a head_dim other than
+    hidden / heads: --kv-channels); appends to ``problems`` what it cannot take."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim", DEFAULT_HEAD_DIM.get(kind))
-    if head_dim not in (None, hidden // heads):
-        problems.append(f"head_dim={head_dim} (megazero uses hidden_size / num_attention_heads = {hidden // heads})")
     if any(t != "full_attention" for t in config.get("layer_types") or ()):
         problems.append(f"layer_types={json.dumps(config['layer_types'])} (megazero attends over the whole "
                         "causal context in every layer)")
     return dict(arch="llama", qk_layernorm=kind == "qwen3", num_layers=config["num_hidden_layers"],
-                hidden_size=hidden, num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads"),
+                kv_channels=None if head_dim in (None, hidden / heads) else head_dim, hidden_size=hidden,
+                num_attention_heads=heads, num_query_groups=config.get("num_key_value_heads"),
                 ffn_hidden_size=config["intermediate_size"], seq_length=config["max_position_embeddings"],
                 max_position_embeddings=config["max_position_embeddings"], vocab_size=config["vocab_size"],
                 norm_epsilon=config.get("rms_norm_eps", 1e-6),

@@ -32,7 +32,8 @@ from .slices import Region, intersect, relative, tp_region
 RUN_TIME_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_method_std", "make_vocab_size_divisible_by"})
 # How a setting is compared: by what it resolves to, so None and an explicit equal value agree.
 RESOLVED = {"num_query_groups": "query_groups", "ffn_hidden_size": "ffn_size",
-            "untie_embeddings_and_output_weights": "tied_embeddings", "max_position_embeddings": "position_table_size"}
+            "untie_embeddings_and_output_weights": "tied_embeddings", "max_position_embeddings": "position_table_size",
+            "kv_channels": "head_dim"}
 
 class ShardReader:
     """Opens shard files on demand and reads tensor slices with clear errors."""

@@ -34,8 +34,8 @@ TINY_LLAMA = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hid
 TINY_GPT2 = dict(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=32)
 
 # (field, value) pairs HF models use and megazero's math cannot express; each must be named in the refusal.
-LLAMA_REFUSED = [("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"), ("head_dim", 32),
-                 ("pretraining_tp", 2), ("sliding_window", 16), ("quantization_config", {"quant_method": "fp8"}),
+LLAMA_REFUSED = [("attention_bias", True), ("mlp_bias", True), ("hidden_act", "gelu"), ("pretraining_tp", 2),
+                 ("sliding_window", 16), ("quantization_config", {"quant_method": "fp8"}),
                  ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})]
 LLAMA_REFUSED_LEGACY = [("rope_scaling", {"type": "linear", "factor": 2.0}), ("partial_rotary_factor", 0.5),
                         ("auto_map", {"AutoModelForCausalLM": "custom.Model"})]

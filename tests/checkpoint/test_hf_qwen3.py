@@ -1,6 +1,7 @@
 """Qwen3 (dense) <-> megazero: a tiny Qwen3ForCausalLM made by transformers converts in and out bitwise, and the
-converted model (llama with --qk-layernorm) gives transformers' logits; Qwen3 fields megazero cannot express are
-refused. The references are transformers' own Qwen3 classes, never megazero itself.
+converted model (llama with --qk-layernorm, and --kv-channels for a head_dim other than hidden / heads) gives
+transformers' logits; Qwen3 fields megazero cannot express are refused. The references are transformers' own
+Qwen3 classes, never megazero itself.
 """
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ from tests.helpers.tool_module import load_tool
 
 transformers = pytest.importorskip("transformers")
 
-# head_dim given as hidden / heads (transformers' Qwen3 default is 128); GQA with 2 query groups
+# head_dim 32, not hidden / heads = 16, as in Qwen3-30B-A3B (--kv-channels); GQA with 2 query groups
 TINY_QWEN3 = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-6,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=64, rms_norm_eps=1e-6,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e6})
 LOGIT_TOL = 1e-5  # fp32, absolute
 # (field, value) pairs Qwen3 checkpoints may carry that megazero's math cannot express; each must be named.
-QWEN3_REFUSED = [("head_dim", 32), ("use_sliding_window", True), ("attention_bias", True), ("hidden_act", "gelu"),
+QWEN3_REFUSED = [("use_sliding_window", True), ("attention_bias", True), ("hidden_act", "gelu"),
                  ("layer_types", ["full_attention", "sliding_attention"]), ("mlp_bias", True),
                  ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})]
 
@@ -38,8 +39,8 @@ def _qwen3(seed: int, **overrides) -> torch.nn.Module:
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**{**TINY_QWEN3, **overrides}))
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_norm.weight.copy_(1 + 0.5 * torch.randn(16))
-            layer.self_attn.k_norm.weight.copy_(1 + 0.5 * torch.randn(16))
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
             layer.input_layernorm.weight.add_(0.1 * torch.randn(64))
     return model.eval()
 
@@ -70,6 +71,7 @@ def test_qwen3_folder_to_megazero_tp2_and_back_bitwise(tmp_path):
                      "--tp", "2"]) == 0
     cfg, state = read_full_state(str(tmp_path / "mz"), tp=1)
     assert cfg.model.qk_layernorm and cfg.model.rotary_base == 1e6 and cfg.model.query_groups == 2
+    assert cfg.model.kv_channels == 32
     assert (full_logits(_ours(cfg.model, state), ids) - theirs).abs().max() <= LOGIT_TOL
     # the check can fail: the same weights without the head norms compute something else
     plain = {k: v for k, v in state.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
@@ -82,17 +84,18 @@ def test_qwen3_folder_to_megazero_tp2_and_back_bitwise(tmp_path):
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
     config = json.loads((tmp_path / "back" / "config.json").read_text())
-    assert (config["model_type"], config["architectures"], config["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 16)
+    assert (config["model_type"], config["architectures"], config["head_dim"]) == ("qwen3", ["Qwen3ForCausalLM"], 32)
     with torch.no_grad():
         again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()(ids).logits
     assert torch.equal(again, theirs)
 
 
 def test_tied_qwen3_state_round_trips_in_process():
-    """tie_word_embeddings (the small Qwen3 models tie): logits within 1e-5, HF state -> megazero -> HF bitwise."""
-    hf = _qwen3(2, tie_word_embeddings=True)
+    """tie_word_embeddings (the small Qwen3 models tie), head_dim = hidden / heads: logits within 1e-5,
+    HF state -> megazero -> HF bitwise."""
+    hf = _qwen3(2, tie_word_embeddings=True, head_dim=16)
     cfg = model_config_from_hf(hf.config.to_dict())
-    assert cfg.tied_embeddings and cfg.qk_layernorm
+    assert cfg.tied_embeddings and cfg.qk_layernorm and cfg.kv_channels is None
     hf_state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied: save_pretrained drops it
     ours = from_hf(hf_state, cfg, cfg.padded_vocab_size(1))
     ids = _ids(3)
@@ -110,6 +113,7 @@ def test_megazero_config_with_qk_layernorm_exports_as_qwen3():
                       vocab_size=300, qk_layernorm=True, untie_embeddings_and_output_weights=True)
     written = hf_config(cfg).to_dict()
     assert (written["model_type"], written["use_sliding_window"], written["head_dim"]) == ("qwen3", False, 8)
+    assert model_config_from_hf(written).kv_channels is None  # hidden / heads: nothing to set
     back = model_config_from_hf(written)
     keys = ("qk_layernorm", "num_layers", "hidden_size", "num_attention_heads", "query_groups", "ffn_size",
             "vocab_size", "norm_epsilon", "rotary_base", "tied_embeddings", "position_table_size")
@@ -129,14 +133,38 @@ def test_each_qwen3_field_megazero_cannot_express_is_refused(field, value):
     assert f"{key}={shown}" in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
-def test_qwen3_default_head_dim_is_refused_and_sliding_window_off_is_accepted():
-    """A config.json without head_dim means transformers' 128, not hidden / heads; an inactive window is harmless."""
+def test_qwen3_head_dim_defaults_to_128_and_an_inactive_window_is_harmless():
+    """A config.json without head_dim means transformers' 128, not hidden / heads; one equal to hidden / heads
+    needs no --kv-channels; sliding_window and max_window_layers do nothing while use_sliding_window is false."""
     config = transformers.Qwen3Config(**TINY_QWEN3).to_dict()
-    config.update(sliding_window=4096, max_window_layers=1)  # ignored by transformers while use_sliding_window=false
+    config.update(sliding_window=4096, max_window_layers=1)
     assert model_config_from_hf(config).qk_layernorm
+    assert model_config_from_hf({**config, "head_dim": 16}).kv_channels is None
     del config["head_dim"]
-    with pytest.raises(ValueError, match=r"head_dim=128 \(megazero uses hidden_size / num_attention_heads = 16\)"):
-        model_config_from_hf(config)
+    assert model_config_from_hf(config).head_dim == 128
+
+
+def test_llama_head_dim_maps_to_kv_channels():
+    """LlamaForCausalLM with head_dim 32 (hidden / heads = 16): logits within 1e-5, state round trip bitwise."""
+    torch.manual_seed(5)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        **{k: v for k, v in TINY_QWEN3.items() if k != "rope_parameters"})).eval()
+    cfg = model_config_from_hf(hf.config.to_dict())
+    assert (cfg.kv_channels, cfg.qk_layernorm) == (32, False)
+    ours = from_hf(hf.state_dict(), cfg, cfg.padded_vocab_size(1))
+    ids = _ids(6)
+    with torch.no_grad():
+        assert (full_logits(_ours(cfg, ours), ids) - hf(ids).logits).abs().max() <= LOGIT_TOL
+    back = to_hf(ours, cfg)
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+    assert hf_config(cfg).to_dict()["head_dim"] == 32
+
+
+def test_gpt2_with_kv_channels_cannot_export():
+    cfg = ModelConfig(arch="gpt2", num_layers=1, hidden_size=64, num_attention_heads=4, kv_channels=32,
+                      vocab_size=300)
+    with pytest.raises(ValueError, match="--kv-channels 32 .* cannot be expressed by HF GPT2"):
+        hf_config(cfg)
 
 
 def test_qk_layernorm_needs_llama():

@@ -9,7 +9,7 @@ MODELS = {
     "llama_gqa": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
                       seq_length=16, vocab_size=1100),
     "llama_qk_norm": dict(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                          seq_length=16, vocab_size=1100, qk_layernorm=True),
+                          seq_length=16, vocab_size=1100, qk_layernorm=True, kv_channels=32),
     "llama_tied": dict(arch="llama", num_layers=2, hidden_size=96, num_attention_heads=4, ffn_hidden_size=200,
                        seq_length=16, vocab_size=999, untie_embeddings_and_output_weights=False),
 }

@@ -23,9 +23,9 @@ MODELS = {
     "llama": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
                          seq_length=48, vocab_size=300, init_method_std=0.2, rope_scaling_type="llama3",
                          rope_scaling_factor=4.0, rope_scaling_original_max_position_embeddings=16),
-    # --qk-layernorm: keys are normalised before they are cached
+    # --qk-layernorm (keys are normalised before they are cached) with a head dimension of 16, not 64 / 8
     "llama_qk": ModelConfig(arch="llama", num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=4,
-                            seq_length=48, vocab_size=300, init_method_std=0.2, qk_layernorm=True),
+                            seq_length=48, vocab_size=300, init_method_std=0.2, qk_layernorm=True, kv_channels=16),
 }
 
 

@@ -1,4 +1,4 @@
-"""--qk-layernorm trains the same model under TP, CP, recompute and ZeRO as in one process.
+"""--qk-layernorm (and --kv-channels) train the same model under TP, CP, recompute and ZeRO as in one process.
 
 The q/k head-norm weights are replicated over TP, but each TP rank normalises only its own heads, so
 each rank's weight gradient is a partial sum: the gradient-sync engine must sum it over TP (as it does
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from megazero.config import Config
+import pytest
+
+from megazero.config import Config, ConfigError, ModelConfig
 from tests.helpers.cp_runs import CPRun, make_cfg, run_many, serial_reference
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import compare_runs, failures, tolerance
@@ -19,7 +21,8 @@ ITERS = 5
 
 
 def _qk(cfg: Config) -> Config:
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_layernorm=True))
+    """--qk-layernorm with --kv-channels 16 (twice hidden / heads, as Qwen3-30B-A3B's head_dim is)."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, qk_layernorm=True, kv_channels=16))
 
 
 RUNS = [CPRun("tp2.sp.zero1.selective", _qk(make_cfg("llama", tp=2, sp=True, zero=1, recompute="selective",
@@ -39,3 +42,13 @@ def test_qk_layernorm_tp2_and_cp2_match_serial():
             errs = compare_runs(per_rank[run.key], ref, run.key)
             bad.update({f"rank{rank}.{k}": v for k, v in failures(errs, tolerance(run.cfg.parallel.tp)).items()})
     assert not bad, dict(sorted(bad.items(), key=lambda kv: -kv[1])[:6])
+
+
+def test_kv_channels_sets_the_head_dimension():
+    """--kv-channels frees the head dimension from --hidden-size / --num-attention-heads; RoPE needs it even."""
+    cfg = ModelConfig(arch="llama", hidden_size=60, num_attention_heads=4, kv_channels=32)
+    assert cfg.head_dim == 32
+    with pytest.raises(ConfigError, match="--hidden-size \\(60\\) must be divisible .* or set --kv-channels"):
+        ModelConfig(arch="llama", hidden_size=60, num_attention_heads=8)
+    with pytest.raises(ConfigError, match="head dimension \\(15\\) must be even for RoPE"):
+        ModelConfig(arch="llama", hidden_size=64, num_attention_heads=4, kv_channels=15)

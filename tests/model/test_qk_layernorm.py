@@ -52,3 +52,17 @@ def test_kv_channels_sets_the_head_dimension():
         ModelConfig(arch="llama", hidden_size=60, num_attention_heads=8)
     with pytest.raises(ConfigError, match="head dimension \\(15\\) must be even for RoPE"):
         ModelConfig(arch="llama", hidden_size=64, num_attention_heads=4, kv_channels=15)
+
+
+def test_a_resumed_run_compares_kv_channels_by_meaning():
+    """--load: an explicit --kv-channels equal to the checkpoint's hidden / heads agrees; another one is refused."""
+    from megazero.checkpoint.load import merge_config
+
+    saved = {"arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 300}
+    meta = {"config": Config.from_flat(saved).to_flat()}
+    def given(kv_channels: int) -> Config:
+        return Config.from_flat({"kv_channels": kv_channels}, explicit=frozenset({"kv_channels"}))
+
+    assert merge_config(meta, given(16))[0].model.head_dim == 16
+    with pytest.raises(ConfigError, match=r"--kv-channels 32 contradicts the checkpoint's None \(i.e. head_dim 16"):
+        merge_config(meta, given(32))

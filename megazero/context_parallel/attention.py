@@ -37,9 +37,8 @@ def cp_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tenso
         return ring_attention(q_bnsd, k_bgsd, v_bgsd, cp.ring_group if cp.ring_group is not None else cp.group,
                               bounds=bounds)
     if cp.comm_type == "a2a":
-        inner = None if bounds is None else functools.partial(document_attention, bounds=bounds)
         return ulysses_attention(q_bnsd, k_bgsd, v_bgsd, cp.a2a_group if cp.a2a_group is not None else cp.group,
-                                 inner=inner)
+                                 bounds=bounds)
     if cp.comm_type == "a2a+p2p":
         assert cp.a2a_group is not None and cp.ring_group is not None, "a2a+p2p needs both CP subgroups"
         return ulysses_attention(q_bnsd, k_bgsd, v_bgsd, cp.a2a_group, pieces=2,

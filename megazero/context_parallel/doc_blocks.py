@@ -13,10 +13,12 @@ Under the ring, a rank holds its tokens as *runs*: contiguous global ranges at k
 and a key run with every document; each non-empty piece is either dense (the document's keys all
 precede its queries) or the causal square (the same run), so the fused block kernel handles it
 without a mask, and a K/V block that meets no query's document yields no piece at all: skipped.
+``needed_rows`` says which rows of a rank's K/V any given ranks use: the ring sends only those.
 """
 from __future__ import annotations
 
 import bisect
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 Bounds = tuple[tuple[int, ...], ...]  # per sample: 0, each later document's start, S (cu_seqlens)
 Run = tuple[int, int, int]  # (local start, global start, length)
 Piece = tuple[slice, slice, slice, bool]  # (sample, query rows, key rows, causal), local indices
+Span = tuple[int, int]  # [lo, hi) of local rows
 
 
 def document_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
@@ -82,3 +85,20 @@ def pairs(pieces: list[Piece]) -> int:
         nq, nk = qs.stop - qs.start, ks.stop - ks.start
         total += nq * (nq + 1) // 2 if causal else nq * nk
     return total
+
+
+@functools.lru_cache(maxsize=256)
+def needed_rows(src: int, receivers: tuple[int, ...], size: int, local_len: int,
+                bounds: Bounds | None) -> tuple[Span, Span]:
+    """Per run of ring rank ``src``'s K/V (its early chunk, its late chunk): the local rows [lo, hi) that
+    the pieces of any of ``receivers`` use, in any sample (empty: lo = hi); every row without ``bounds``."""
+    half = local_len // 2
+    if bounds is None:
+        return (0, half), (half, local_len)
+    lo, hi = [half, local_len], [0, half]
+    for r in receivers:
+        for _, _, ks, _ in document_blocks(ring_runs(r, size, local_len), ring_runs(src, size, local_len), bounds):
+            run = 0 if ks.start < half else 1
+            lo[run], hi[run] = min(lo[run], ks.start), max(hi[run], ks.stop)
+    spans = [(a, b) if a < b else (run * half, run * half) for run, (a, b) in enumerate(zip(lo, hi))]
+    return spans[0], spans[1]

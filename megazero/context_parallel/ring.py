@@ -15,14 +15,17 @@ only) j < ρ is a full block and j > ρ nothing, so the last rank does the most.
 
 The next K/V is sent (isend/irecv through ``collectives.batch_isend_irecv``) before the current block
 is computed, so the exchange overlaps attention. GQA: only the g kv heads travel. Partial outputs merge
-with their LSE in fp32 (``blocks.merge``). Backward: K/V rotate again; a dK/dV accumulator for the K/V
-in hand travels with it, each rank adding its share, and after R hops it is back with its owner.
-Per rank and call: forward (R-1) sends of [K; V]; backward (R-1) of [K; V] and R of [dK; dV] (in the
-accumulation dtype: fp32, or fp64 for fp64 inputs).
+with their LSE in fp32 (``blocks.merge``). Backward: K/V rotate again; the dK/dV of a rank's own block
+stay home, and an accumulator for another rank's K/V starts on the rank after it, travels with it,
+each rank adding its share, and after R-1 hops is back with its owner. Per rank and call, unmasked:
+forward (R-1) sends of [K; V]; backward (R-1) of [K; V] and (R-1) of [dK; dV] (in the accumulation
+dtype: fp32, or fp64 for fp64 inputs).
 
 Documents (``bounds``): each step computes only the per-document pieces of the local runs against the
-held K/V's runs (``doc_blocks.document_blocks``); a block no document spans is skipped (the K/V still
-pass on, since later ranks need them), and rows a block does not reach merge in at lse = -inf.
+held K/V's runs (``doc_blocks.document_blocks``), and rows a block does not reach merge in at lse =
+-inf. A hop carries only the rows of the K/V that some rank still ahead uses (``doc_blocks.needed_rows``:
+per run of the owner, the span from the first to the last such row), nothing when none does; the
+dK/dV accumulator carries the rows any rank uses. Every rank derives the same spans from ``bounds``.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from ..parallel import collectives
 from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward, merge
-from .doc_blocks import Bounds, Piece, document_attention, document_blocks, ring_runs
+from .doc_blocks import Bounds, Piece, Span, document_attention, document_blocks, needed_rows, ring_runs
 
 _KV_TAG, _DKV_TAG = 11, 12  # two exchanges can be in flight between the same pair of ranks
 
@@ -63,21 +66,70 @@ def attention_work(rank: int, size: int, local_len: int, balanced: bool = True) 
     return total
 
 
-class _Ring:
-    """This rank's place in the ring and the exchange of one tensor with its neighbours."""
+class _Rows:
+    """A K/V block's rows as sent: spans of the owner's local rows (one per run), laid end to end."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, spans: tuple[Span, Span]) -> None:
+        self.spans = spans
+        self.offsets = (0, spans[0][1] - spans[0][0])
+        self.count = self.offsets[1] + spans[1][1] - spans[1][0]
+
+    def slot(self, rows: slice) -> slice:
+        """Where the owner's local ``rows`` (inside one span; any rows when the spans are everything) lie."""
+        run = 0 if rows.start < self.spans[0][1] or self.spans[1][0] == self.spans[1][1] else 1
+        shift = self.offsets[run] - self.spans[run][0]
+        return slice(rows.start + shift, rows.stop + shift)
+
+    def gather(self, t: torch.Tensor, held: "_Rows") -> torch.Tensor:
+        """This layout's rows (dim -2) out of ``t``, laid out as ``held`` (which covers them)."""
+        if self.spans == held.spans:
+            return t
+        parts = [t[..., held.slot(slice(lo, hi)), :] for lo, hi in self.spans if lo < hi]
+        return torch.cat(parts, dim=-2)
+
+    def add_into(self, full: torch.Tensor, t: torch.Tensor) -> None:
+        """``full`` (all local rows, dim -2) += ``t`` (laid out as self)."""
+        for lo, hi in self.spans:
+            if lo < hi:
+                full[..., lo:hi, :] += t[..., self.slot(slice(lo, hi)), :]
+
+
+class _Ring:
+    """This rank's place in the ring, the exchanges with its neighbours, and what each hop carries."""
+
+    def __init__(self, group: dist.ProcessGroup, local_len: int, bounds: Bounds | None) -> None:
+        self.group, self.local_len, self.bounds = group, local_len, bounds
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def shift(self, t: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
-        """Start sending ``t`` to the next rank and receiving the previous rank's; (its buffer, handles)."""
-        buf = torch.empty_like(t)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag),
-               dist.P2POp(dist.irecv, buf, self.prev, self.group, tag)]
-        return buf, collectives.batch_isend_irecv(ops, self.group)
+    def hop_rows(self, src: int, hop: int) -> _Rows:
+        """The rows of ring rank ``src``'s K/V on its ``hop``-th hop: those some rank still ahead uses."""
+        src %= self.size
+        ahead = tuple((src + h) % self.size for h in range(hop, self.size))
+        return _Rows(needed_rows(src, ahead, self.size, self.local_len, self.bounds))
+
+    def exchange(self, send: torch.Tensor | None, buf: torch.Tensor | None, tag: int) -> tuple:
+        """Send ``send`` to the next rank and receive into ``buf`` from the previous one (either may be
+        None: nothing of it travels); (``buf``, handles)."""
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag)] if send is not None else []
+        if buf is not None:
+            ops.append(dist.P2POp(dist.irecv, buf, self.prev, self.group, tag))
+        return buf, (collectives.batch_isend_irecv(ops, self.group) if ops else [])
+
+    def shift_kv(self, kv: torch.Tensor | None, held: _Rows, step: int, whole: torch.Tensor) -> tuple:
+        """Pass on the K/V held at ``step`` (rows ``held``; None: no rows) for ``step`` + 1; (buffer, its
+        rows, handles). ``whole``: this rank's own [K; V], whose shape the buffers take but for rows."""
+        src, nxt_src = self.rank - step, self.rank - step - 1
+        out_rows, in_rows = self.hop_rows(src, step + 1), self.hop_rows(nxt_src, step + 1)
+        send = out_rows.gather(kv, held).contiguous() if out_rows.count and kv is not None else None
+        buf, works = self.exchange(send, _rows_buffer(whole, in_rows.count, whole.dtype), _KV_TAG)
+        return buf, in_rows, works
+
+
+def _rows_buffer(like: torch.Tensor, rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A receive buffer shaped as ``like`` but with ``rows`` rows (dim -2); None for no rows (nothing travels)."""
+    return like.new_empty(*like.shape[:-2], rows, like.shape[-1], dtype=dtype) if rows else None
 
 
 def _wait(works: list) -> None:
@@ -92,29 +144,31 @@ def _rows(t: torch.Tensor, b: slice, s: slice) -> torch.Tensor:
 _ALL = slice(None)
 
 
-def step_pieces(step: int, ring: "_Ring", local_len: int, balanced: bool,
-                bounds: Bounds | None) -> list[Piece]:
+def step_pieces(step: int, ring: "_Ring", balanced: bool) -> list[Piece]:
     """What this rank computes at ``step``: the causal ring's blocks for every sample, or, with documents,
     the per-document pieces of its runs against the held K/V's runs (none: the block is skipped)."""
-    if bounds is None:
+    local_len = ring.local_len
+    if ring.bounds is None:
         return [(_ALL, qs, ks, causal) for qs, ks, causal in ring_blocks(step, ring.rank, ring.size, local_len,
                                                                          balanced)]
     src = (ring.rank - step) % ring.size
-    return document_blocks(ring_runs(ring.rank, ring.size, local_len), ring_runs(src, ring.size, local_len), bounds)
+    return document_blocks(ring_runs(ring.rank, ring.size, local_len), ring_runs(src, ring.size, local_len),
+                           ring.bounds)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, balanced: bool,
-             force_math: bool, bounds: Bounds | None) -> tuple[torch.Tensor, torch.Tensor]:
+             force_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in the accumulation dtype, lse [b, n, L]) of the local queries against every rank's K/V."""
-    local_len = q.shape[2]
-    kv = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
+    whole = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
+    kv, held = whole, ring.hop_rows(ring.rank, 0)
     out = lse = None
-    if bounds is not None:  # pieces cover the rows piecemeal: start from "no key seen" (out 0, lse -inf)
+    if ring.bounds is not None:  # pieces cover the rows piecemeal: start from "no key seen" (out 0, lse -inf)
         out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for step in range(ring.size):
-        nxt, works = ring.shift(kv, _KV_TAG) if step < ring.size - 1 else (None, [])
-        for bs, qs, ks, causal in step_pieces(step, ring, local_len, balanced, bounds):
+        nxt, nxt_rows, works = ring.shift_kv(kv, held, step, whole) if step < ring.size - 1 else (None, None, [])
+        for bs, qs, ks, causal in step_pieces(step, ring, balanced):
+            ks = held.slot(ks)
             out_b, lse_b = block_forward(_rows(q, bs, qs), _rows(kv[0], bs, ks), _rows(kv[1], bs, ks), causal,
                                          force_math)
             if out is None:  # step 0 covers every row
@@ -122,38 +176,60 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, bal
             else:
                 out[bs, :, qs], lse[bs, :, qs] = merge(_rows(out, bs, qs), _rows(lse, bs, qs), out_b, lse_b)
         _wait(works)  # blocked time here is K/V the ring did not hide
-        kv = nxt
+        kv, held = nxt, nxt_rows
     return out, lse
 
 
+def _block_grads(dout, q, kv, out, lse, ring: _Ring, step: int, held: _Rows, dq: torch.Tensor,
+                 dkv: torch.Tensor, dkv_rows: _Rows, balanced: bool, force_math: bool) -> None:
+    """Add this step's pieces' gradients into dq and dkv (laid out as ``dkv_rows``)."""
+    for bs, qs, ks, causal in step_pieces(step, ring, balanced):
+        kslice = held.slot(ks)
+        dq_b, dk_b, dv_b = block_backward(_rows(dout, bs, qs), _rows(q, bs, qs), _rows(kv[0], bs, kslice),
+                                          _rows(kv[1], bs, kslice), _rows(out, bs, qs), _rows(lse, bs, qs), causal,
+                                          force_math)
+        dq[bs, :, qs] += dq_b
+        home = dkv_rows.slot(ks)
+        dkv[0][bs, :, home] += dk_b
+        dkv[1][bs, :, home] += dv_b
+
+
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, ring: _Ring, balanced: bool, force_math: bool,
-              bounds: Bounds | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) in the accumulation dtype; dk/dv are this rank's own K/V's, summed over the ring."""
-    acc, local_len = acc_dtype(q.dtype), q.shape[2]
-    kv = torch.stack([k, v])
+              lse: torch.Tensor, ring: _Ring, balanced: bool,
+              force_math: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in the accumulation dtype; dk/dv are this rank's own K/V's, summed over the ring.
+
+    The own block's dK/dV stay home; the accumulator for another rank's K/V starts on the first rank
+    after it, travels with the K/V (rows: those any rank uses), each adds its share, and goes home."""
+    acc = acc_dtype(q.dtype)
+    whole = torch.stack([k, v])
+    kv, held = whole, ring.hop_rows(ring.rank, 0)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv_in, dkv_works, dkv_sent = None, [], None
+    own = torch.zeros(whole.shape, dtype=acc, device=q.device)
+    acc_in: torch.Tensor | None = None
+    acc_works: list = []
+    sent: list[torch.Tensor] = []
     for step in range(ring.size):
-        nxt, kv_works = ring.shift(kv, _KV_TAG) if step < ring.size - 1 else (None, [])
-        dkv = torch.zeros(kv.shape, dtype=acc, device=q.device)
-        for bs, qs, ks, causal in step_pieces(step, ring, local_len, balanced, bounds):
-            dq_b, dk_b, dv_b = block_backward(_rows(dout, bs, qs), _rows(q, bs, qs), _rows(kv[0], bs, ks),
-                                              _rows(kv[1], bs, ks), _rows(out, bs, qs), _rows(lse, bs, qs), causal,
-                                              force_math)
-            dq[bs, :, qs] += dq_b
-            dkv[0][bs, :, ks] += dk_b
-            dkv[1][bs, :, ks] += dv_b
+        nxt, nxt_rows, kv_works = ring.shift_kv(kv, held, step, whole) if step < ring.size - 1 else (None, None, [])
+        src = ring.rank - step
+        rows = held if step == 0 else ring.hop_rows(src, 1)
+        dkv = own if step == 0 else own.new_zeros(*own.shape[:-2], rows.count, own.shape[-1])
+        _block_grads(dout, q, kv, out, lse, ring, step, held, dq, dkv, rows, balanced, force_math)
         if step > 0:
-            _wait(dkv_works)  # the accumulator for this K/V, with the earlier ranks' shares
-            dkv += dkv_in
-        dkv_sent = dkv  # kept alive until its send is waited on
-        dkv_in, dkv_works = ring.shift(dkv_sent, _DKV_TAG)
+            _wait(acc_works)  # the accumulator for this K/V, with the earlier ranks' shares
+            if acc_in is not None:
+                dkv += acc_in
+            in_rows = ring.hop_rows(src - 1, 1)
+            acc_in, acc_works = ring.exchange(dkv if rows.count else None, _rows_buffer(whole, in_rows.count, acc),
+                                              _DKV_TAG)
+            sent.append(dkv)  # kept alive until its send is waited on
         _wait(kv_works)
-        kv = nxt
-    _wait(dkv_works)  # after R hops: our own K/V's accumulator, every rank's share in it
-    del dkv_sent
-    return dq, dkv_in[0], dkv_in[1]
+        kv, held = nxt, nxt_rows
+    _wait(acc_works)  # after R - 1 hops: every other rank's share of our own K/V's gradient
+    if acc_in is not None:
+        ring.hop_rows(ring.rank, 1).add_into(own, acc_in)
+    del sent
+    return dq, own[0], own[1]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -163,18 +239,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                 balanced: bool, force_math: bool, bounds: Bounds | None) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ring = _Ring(group)
-        out, lse = _forward(q, k, v, ring, balanced, force_math, bounds)
+        ring = _Ring(group, q.shape[2], bounds)
+        out, lse = _forward(q, k, v, ring, balanced, force_math)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.balanced, ctx.force_math, ctx.bounds = ring, balanced, force_math, bounds
+        ctx.ring, ctx.balanced, ctx.force_math = ring, balanced, force_math
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.balanced, ctx.force_math,
-                               ctx.bounds)
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.balanced, ctx.force_math)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -1,10 +1,15 @@
 """All-to-all attention (``--cp-comm-type a2a``, DeepSpeed Ulysses), and the hybrid's all-to-all half.
 
-U ranks each hold S/U tokens of all n heads. One all-to-all per tensor trades that for all S' tokens
-of n/U heads (rank u gets heads u·n/U .. (u+1)·n/U - 1), attention runs on whole sequences, and one
-all-to-all brings the output back to sequence shards. Heads are independent, so for pure a2a the
-result is the serial SDPA's, bit for bit. Backward: the same all-to-alls the other way (four forward:
-q, k, v, out; four backward: dout, dq, dk, dv; each sends (U-1)/U of the local tensor).
+U ranks each hold S/U tokens of all n heads. An all-to-all trades that for all S' tokens of n/U heads
+(rank u gets heads u·n/U .. (u+1)·n/U - 1), attention runs on whole sequences, and an all-to-all
+brings the output back to sequence shards. Heads are independent, so for pure a2a the result is the
+serial SDPA's, bit for bit.
+
+q, k and v travel in ONE all-to-all (``_pack``: each destination's heads of all three in one
+buffer), and so do dq, dk and dv. Pure a2a (``inner`` None) also pipelines over head chunks
+(``_UlyssesAttention``): chunk c+1's q/k/v are in flight while chunk c's attention runs, and chunk
+c's output travels back while chunk c+1's runs; the backward likewise with dout and dq/dk/dv. Per
+rank, forward: q, k, v and out each send (U-1)/U of the local tensor; backward: dout, dq, dk, dv.
 
 Token order: a rank's local tokens are ``pieces`` runs of equal length (1 for the contiguous split of
 pure a2a; 2 in the hybrid, piece u of ring chunk ρ then piece u of chunk 2R-1-ρ). After the
@@ -16,52 +21,85 @@ GQA: with g kv heads and g % U != 0, kv heads are repeated to lcm(g, U) (which d
 """
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..parallel import collectives
 from ..parallel.collectives import Group
+from .blocks import acc_dtype, block_backward, block_forward
+from .doc_blocks import Bounds, document_attention
 
 
-def _a2a(send: torch.Tensor, group: Group) -> torch.Tensor:
+def _seq_view(t: torch.Tensor, u: int, count: int = 1, c: int = 0) -> torch.Tensor:
+    """[U dst, b, w, s, d] view of head chunk ``c`` (of ``count``) of a sequence shard [b, h, s, d]."""
+    b, h, s, d = t.shape
+    return t.view(b, u, count, h // (u * count), s, d)[:, :, c].transpose(0, 1)
+
+
+def _head_view(y: torch.Tensor, u: int, pieces: int) -> torch.Tensor:
+    """[U dst, b, w, P, s/P, d] view of a head shard [b, w, U·s, d]: the runs each rank holds."""
+    b, w, su, d = y.shape
+    return y.view(b, w, pieces, u, su // (u * pieces), d).permute(3, 0, 1, 2, 4, 5)
+
+
+def _start(parts: list[torch.Tensor], group: Group) -> tuple[torch.Tensor, Any]:
+    """Start one all-to-all of every part ([U dst, b, w, ...s..., d] views) packed in one buffer:
+    (the receive buffer [U src, b, sum of w, s, d], its work)."""
+    u, b, d = parts[0].shape[0], parts[0].shape[1], parts[0].shape[-1]
+    s = math.prod(parts[0].shape[3:-1])
+    widths = [p.shape[2] for p in parts]
+    send = torch.empty(u, b, sum(widths), s, d, dtype=parts[0].dtype, device=parts[0].device)
+    at = 0
+    for p, w in zip(parts, widths):
+        send[:, :, at:at + w].view(p.shape).copy_(p)
+        at += w
     recv = torch.empty_like(send)
-    collectives.all_to_all_single(recv, send, group)
-    return recv
+    return recv, collectives.all_to_all_single(recv, send, group, async_op=True)
 
 
-def _seq_to_head(x_bhsd: torch.Tensor, group: Group, pieces: int) -> torch.Tensor:
-    """[b, h, s, d] (s = pieces runs) -> [b, h/U, U·s, d] (the runs of all U ranks, run by run)."""
+def _slots(recv: torch.Tensor, widths: list[int]) -> list[torch.Tensor]:
+    """Each tensor's part [U src, b, w, s, d] of a receive buffer."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return [recv[:, :, a:a + w] for a, w in zip(starts, widths)]
+
+
+def _as_heads(slot: torch.Tensor, pieces: int) -> torch.Tensor:
+    """[U src, b, w, s, d] -> [b, w, U·s, d] (the runs of all U ranks, run by run)."""
+    u, b, w, s, d = slot.shape
+    return slot.reshape(u, b, w, pieces, s // pieces, d).permute(1, 2, 3, 0, 4, 5).reshape(b, w, u * s, d)
+
+
+def _exchange(tensors: list[torch.Tensor], group: Group, pieces: int, to_heads: bool) -> list[torch.Tensor]:
+    """Sequence shards to head shards (or back) for several tensors in one all-to-all."""
     u = dist.get_world_size(group)
-    b, h, s, d = x_bhsd.shape
-    send = x_bhsd.reshape(b, u, h // u, s, d).transpose(0, 1).contiguous()  # [U dst, b, h/U, s, d]
-    recv = _a2a(send, group).view(u, b, h // u, pieces, s // pieces, d)  # [U src, b, h/U, P, s/P, d]
-    return recv.permute(1, 2, 3, 0, 4, 5).reshape(b, h // u, u * s, d)
-
-
-def _head_to_seq(y_bhsd: torch.Tensor, group: Group, pieces: int) -> torch.Tensor:
-    """The inverse of ``_seq_to_head``: [b, h/U, U·s, d] -> [b, h, s, d]."""
-    u = dist.get_world_size(group)
-    b, hu, su, d = y_bhsd.shape
-    s = su // u
-    send = y_bhsd.reshape(b, hu, pieces, u, s // pieces, d).permute(3, 0, 1, 2, 4, 5).contiguous()
-    recv = _a2a(send, group)  # [U src (its heads), b, h/U, P, s/P, d]
-    return recv.permute(1, 0, 2, 3, 4, 5).reshape(b, u * hu, s, d)
+    views = [_seq_view(t, u) if to_heads else _head_view(t, u, pieces) for t in tensors]
+    recv, work = _start(views, group)
+    work.wait()
+    slots = _slots(recv, [v.shape[2] for v in views])
+    if to_heads:
+        return [_as_heads(slot, pieces) for slot in slots]
+    finals = [t.new_empty(t.shape[0], u * t.shape[1], t.shape[2] // u, t.shape[3]) for t in tensors]
+    for final, slot in zip(finals, slots):
+        _seq_view(final, u).copy_(slot)
+    return finals
 
 
 class _Exchange(torch.autograd.Function):
     """The all-to-all between sequence and head shards; its backward is the exchange the other way."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, pieces: int, to_heads: bool) -> torch.Tensor:
+    def forward(ctx, group: dist.ProcessGroup, pieces: int, to_heads: bool, *tensors: torch.Tensor):
         ctx.group, ctx.pieces, ctx.to_heads = group, pieces, to_heads
-        return (_seq_to_head if to_heads else _head_to_seq)(x, group, pieces)
+        return tuple(_exchange(list(tensors), group, pieces, to_heads))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        back = _head_to_seq if ctx.to_heads else _seq_to_head
-        return back(grad.contiguous(), ctx.group, ctx.pieces), None, None, None
+    def backward(ctx, *grads: torch.Tensor):
+        back = _exchange([g.contiguous() for g in grads], ctx.group, ctx.pieces, not ctx.to_heads)
+        return (None, None, None, *back)
 
 
 def check_heads(heads: int, kv_heads: int, a2a_size: int) -> None:
@@ -83,17 +121,115 @@ def replicate_kv_heads(t_bgsd: torch.Tensor, a2a_size: int) -> torch.Tensor:
     return t_bgsd.repeat_interleave(math.lcm(g, a2a_size) // g, dim=1)
 
 
+def _serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Bounds | None) -> torch.Tensor:
+    """Causal attention of whole sequences with autograd (one SDPA call per document of ``bounds``)."""
+    if bounds is not None:
+        return document_attention(q, k, v, bounds)
+    gqa = q.shape[1] != k.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+
+def _whole_attention(q, k, v, bounds: Bounds | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of causal attention over whole sequences: one fused call, or one per document."""
+    if bounds is None:
+        return block_forward(q, k, v, True)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
+    for b, cuts in enumerate(bounds):
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            out[b:b + 1, :, s:e], lse[b:b + 1, :, s:e] = block_forward(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                                                       v[b:b + 1, :, s:e], True)
+    return out, lse
+
+
+def _whole_backward(dout, q, k, v, out, lse, bounds: Bounds | None) -> list[torch.Tensor]:
+    """(dq, dk, dv) in q's dtype of ``_whole_attention``."""
+    if bounds is None:
+        return [g.to(q.dtype) for g in block_backward(dout, q, k, v, out, lse, True)]
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for b, cuts in enumerate(bounds):
+        for s, e in zip(cuts[:-1], cuts[1:]):
+            rows = (slice(b, b + 1), slice(None), slice(s, e))
+            for grad, part in zip(grads, block_backward(dout[rows], q[rows], k[rows], v[rows], out[rows],
+                                                        lse[rows], True)):
+                grad[rows] = part
+    return grads
+
+
+def _chunk_count(heads_per_rank: int, kv_heads_per_rank: int) -> int:
+    """Head chunks to pipeline: 2 when each rank's kv heads (and so its query heads) split in two."""
+    return 2 if kv_heads_per_rank % 2 == 0 else 1
+
+
+def _wait_into(finals: list[torch.Tensor], pending: list[tuple[torch.Tensor, Any]], u: int) -> None:
+    """Wait for each chunk's all-to-all back to sequence shards and write it into ``finals``' chunk."""
+    count = len(pending)
+    for c, (recv, work) in enumerate(pending):
+        work.wait()
+        widths = [f.shape[1] // (u * count) for f in finals]
+        for final, slot in zip(finals, _slots(recv, widths)):
+            _seq_view(final, u, count, c).copy_(slot)
+
+
+class _UlyssesAttention(torch.autograd.Function):
+    """Pure a2a: q/k/v to head shards, attention, out back, pipelined over head chunks (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                bounds: Bounds | None) -> torch.Tensor:
+        u = dist.get_world_size(group)
+        count = _chunk_count(q.shape[1] // u, k.shape[1] // u)
+        incoming = _start([_seq_view(t, u, count, 0) for t in (q, k, v)], group)
+        saved, outgoing = [], []
+        for c in range(count):
+            recv, work = incoming
+            work.wait()
+            if c + 1 < count:  # the next chunk travels while this one is computed
+                incoming = _start([_seq_view(t, u, count, c + 1) for t in (q, k, v)], group)
+            qh, kh, vh = (_as_heads(slot, 1) for slot in _slots(recv, [t.shape[1] // (u * count) for t in (q, k, v)]))
+            out, lse = _whole_attention(qh, kh, vh, bounds)
+            saved += [qh, kh, vh, out, lse]
+            outgoing.append(_start([_head_view(out, u, 1)], group))
+        result = torch.empty_like(q)
+        _wait_into([result], outgoing, u)
+        ctx.save_for_backward(*saved)
+        ctx.group, ctx.bounds, ctx.count, ctx.kv_heads = group, bounds, count, k.shape[1]
+        return result
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        u, count, saved = dist.get_world_size(ctx.group), ctx.count, ctx.saved_tensors
+        dout = dout.contiguous()
+        incoming = _start([_seq_view(dout, u, count, 0)], ctx.group)
+        outgoing = []
+        for c in range(count):
+            recv, work = incoming
+            work.wait()
+            if c + 1 < count:
+                incoming = _start([_seq_view(dout, u, count, c + 1)], ctx.group)
+            qh, kh, vh, out, lse = saved[5 * c:5 * c + 5]
+            grads = _whole_backward(_as_heads(recv, 1), qh, kh, vh, out, lse, ctx.bounds)
+            outgoing.append(_start([_head_view(g, u, 1) for g in grads], ctx.group))
+        b, n, s, d = dout.shape
+        finals = [dout.new_empty(b, heads, s, d) for heads in (n, ctx.kv_heads, ctx.kv_heads)]
+        _wait_into(finals, outgoing, u)
+        return (*finals, None, None)
+
+
 def ulysses_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, group: Group,
-                      pieces: int = 1, inner=None) -> torch.Tensor:
-    """All-to-all to head shards, ``inner(q, k, v)`` on whole sequences (default causal SDPA), and back."""
+                      pieces: int = 1, inner=None, bounds: Bounds | None = None) -> torch.Tensor:
+    """All-to-all to head shards, attention on whole sequences, and back.
+
+    ``inner(q, k, v)`` given (the hybrid's ring): it runs between two autograd exchanges. Otherwise
+    causal attention (one call per document of ``bounds``) runs inside the pipelined exchange."""
+    u = 1 if group is None else dist.get_world_size(group)
+    if u > 1:
+        check_heads(q_bnsd.shape[1], k_bgsd.shape[1], u)
+        k_bgsd, v_bgsd = replicate_kv_heads(k_bgsd, u), replicate_kv_heads(v_bgsd, u)
+    if inner is None and u > 1:
+        return _UlyssesAttention.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group, bounds)
     if inner is None:
-        def inner(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                                    enable_gqa=q.shape[1] != k.shape[1])
-    if group is None or dist.get_world_size(group) == 1:
+        inner = functools.partial(_serial_attention, bounds=bounds)
+    if u == 1:
         return inner(q_bnsd, k_bgsd, v_bgsd)
-    u = dist.get_world_size(group)
-    check_heads(q_bnsd.shape[1], k_bgsd.shape[1], u)
-    k_bgsd, v_bgsd = replicate_kv_heads(k_bgsd, u), replicate_kv_heads(v_bgsd, u)
-    q, k, v = (_Exchange.apply(t, group, pieces, True) for t in (q_bnsd, k_bgsd, v_bgsd))
-    return _Exchange.apply(inner(q, k, v), group, pieces, False)
+    q, k, v = _Exchange.apply(group, pieces, True, q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous())
+    return _Exchange.apply(group, pieces, False, inner(q, k, v).contiguous())[0]

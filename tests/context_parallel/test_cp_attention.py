@@ -92,7 +92,7 @@ def _expected_bytes(comm: str, cp: int, kv: int) -> tuple[float, float]:
     local, e = S // cp, 4  # fp32
     if comm == "p2p":
         kv_bytes = 2 * B * kv * local * D * e  # [K; V] of this rank's tokens
-        return (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + cp * kv_bytes  # backward: K/V again, dK/dV home
+        return (cp - 1) * kv_bytes, 2 * (cp - 1) * kv_bytes  # backward: K/V again, others' dK/dV home
     kv_heads = kv if kv % cp == 0 else math.lcm(kv, cp)  # replicated so each rank gets whole kv heads
     per = lambda heads: (cp - 1) / cp * B * heads * local * D * e  # noqa: E731
     four = 2 * per(HEADS) + 2 * per(kv_heads)  # q, k, v, out (backward: dout, dq, dk, dv)

@@ -1,0 +1,173 @@
+"""Context-parallel attention against DeepSpeed-Ulysses, side by side in one gloo world.
+
+Issue 34 asks that megazero's cp 2 attention, with the ring (p2p) and with all-to-all (a2a), be at
+least 1.1x as fast as DeepSpeed-Ulysses (``DistributedAttention`` around the same local attention,
+``bench/peers/deepspeed_ulysses.py``) on a long sequence, with and without document masks. The
+comparison is at the attention layer: this rank's q, k, v -> out, forward and backward, the rest of a
+step being the same code for both. One world of ``--cp`` ranks, one thread each, holds every row; each
+repetition times every row once, in turn (a barrier before each, the slowest rank's time counts), so
+load from other work on the machine falls on all rows alike. Medians over ``--repeats`` after one
+untimed round. Default workload: the gpt2 of bench/bench_cp.py (4 heads of 64), 4096 tokens, documents
+of 1 to 1023 tokens (mean ~512, seeded), batch 1.
+
+    .venv/bin/python -m bench.bench_cp_peer                 # cp 2, S 4096, 7 repeats
+    .venv/bin/python -m bench.bench_cp_peer --seq 8192 --repeats 5
+
+Each rank gets the same seeded tensors: megazero's in its layout ([b, n, s, d], the load-balanced split
+for p2p, the contiguous one for a2a), DeepSpeed's in its own ([b, s, n, d], contiguous split). Outputs
+are checked against each other before timing (the same attention, so they must agree).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from bench.results import results_header
+
+ROWS = ("megazero p2p", "megazero a2a", "deepspeed-ulysses", "no exchange")
+
+
+def document_lengths(seq: int, seed: int = 0, longest: int = 1023) -> list[int]:
+    """Seeded document lengths, uniform in 1..``longest`` (mean ~512), the last cut to fill ``seq``."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < seq:
+        lengths.append(int(torch.randint(1, longest + 1, (1,), generator=g)))
+    lengths[-1] -= sum(lengths) - seq
+    return lengths
+
+
+def document_bounds(seq: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
+    """One sample's cu_seqlens (0, each later document's start, S) for ``document_lengths``."""
+    cuts = [0]
+    for n in document_lengths(seq, seed):
+        cuts.append(cuts[-1] + n)
+    return (tuple(cuts),)
+
+
+def _attentions(rank: int, cp: int, bounds) -> dict:
+    """Row name -> (f(q, k, v), CPSplit of its tokens, whether it takes [b, s, n, d])."""
+    from bench.peers.deepspeed_ulysses import ulysses_attention
+    from megazero.context_parallel import CPContext, CPSplit
+    from megazero.context_parallel.attention import cp_attention
+
+    group = dist.new_group(list(range(cp)))
+    p2p = CPContext(group=group, rank=rank, comm_type="p2p", split=CPSplit(cp, 1), ring_group=group)
+    a2a = CPContext(group=group, rank=rank, comm_type="a2a", split=CPSplit(cp, cp), a2a_group=group)
+    return {ROWS[0]: (lambda q, k, v: cp_attention(q, k, v, p2p, bounds), p2p.split, False),
+            ROWS[1]: (lambda q, k, v: cp_attention(q, k, v, a2a, bounds), a2a.split, False),
+            ROWS[2]: (ulysses_attention(group, bounds), a2a.split, True),
+            ROWS[3]: (functools.partial(_local_only, cp=cp, bounds=bounds), a2a.split, False)}
+
+
+def _local_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, bounds) -> torch.Tensor:
+    """The floor: the attention one rank of Ulysses computes (n/cp heads, whole sequence), no exchange."""
+    from megazero.context_parallel.doc_blocks import document_attention
+
+    whole = [t[:, : t.shape[1] // cp].repeat(1, 1, cp, 1) for t in (q, k, v)]
+    if bounds is None:
+        out = torch.nn.functional.scaled_dot_product_attention(*whole, is_causal=True)
+    else:
+        out = document_attention(*whole, bounds)
+    return out.view(q.shape[0], q.shape[1] // cp, cp, q.shape[2], q.shape[3]).sum(2).repeat(1, cp, 1, 1)
+
+
+def _inputs(args: argparse.Namespace, rank: int, split, bshd: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(1, args.heads, args.seq, args.head_dim)] + [(1, args.kv_heads, args.seq, args.head_dim)] * 2
+    full = [torch.randn(s, generator=g) for s in shapes] + [torch.randn(shapes[0], generator=g)]
+    local = [split.take(t, 2, rank) for t in full]
+    return [t.transpose(1, 2).contiguous() if bshd else t for t in local]
+
+
+def _time(f, inputs: list[torch.Tensor], group) -> tuple[float, torch.Tensor]:
+    """Forward + backward of one call; the slowest rank's seconds and the output (in [b, n, s, d])."""
+    q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    out = f(q, k, v)
+    out.backward(inputs[3])
+    took = torch.tensor([time.perf_counter() - start])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+    return float(took), out.detach()
+
+
+def _rank(rank: int, args: argparse.Namespace, init: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.cp)
+    group = dist.new_group(list(range(args.cp)))
+    times: dict[str, list[float]] = {}
+    for masked in (False, True):
+        bounds = document_bounds(args.seq) if masked else None
+        rows = _attentions(rank, args.cp, bounds)
+        inputs = {name: _inputs(args, rank, split, bshd) for name, (_, split, bshd) in rows.items()}
+        outs = {}
+        for name, (f, _, _) in rows.items():  # the untimed round; its outputs are compared
+            outs[name] = _time(f, inputs[name], group)[1]
+        for rep in range(args.repeats):
+            order = list(rows) if rep % 2 == 0 else list(reversed(rows))  # alternate who goes first
+            for name in order:
+                times.setdefault(f"{name}{' masked' if masked else ''}", []).append(
+                    _time(rows[name][0], inputs[name], group)[0])
+        _check_agreement(outs, rank)
+    if rank == 0:
+        with open(os.path.join(out_dir, "times.json"), "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def _check_agreement(outs: dict, rank: int) -> None:
+    """megazero a2a and DeepSpeed hold the same tokens: their outputs must agree (fp32 rounding)."""
+    mz, ds = outs[ROWS[1]], outs[ROWS[2]].transpose(1, 2)
+    err = (mz - ds).abs().max().item()
+    if err > 1e-4:
+        raise AssertionError(f"rank {rank}: megazero a2a and DeepSpeed-Ulysses differ by {err}")
+
+
+def run(args: argparse.Namespace) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank, args=(args, os.path.join(tmp, "init"), tmp), nprocs=args.cp, join=True)
+        with open(os.path.join(tmp, "times.json")) as f:
+            return json.load(f)
+
+
+def table(args: argparse.Namespace, times: dict[str, list[float]]) -> str:
+    lines = [results_header("bench.bench_cp_peer"), "",
+             f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}, batch 1, "
+             f"1 thread/rank; attention forward + backward, median of {args.repeats} (slowest rank); "
+             f"masked: {len(document_lengths(args.seq))} documents", "",
+             "| row | ms (median) | ms (every run) | DeepSpeed-Ulysses / row |", "|---|---|---|---|"]
+    for masked in ("", " masked"):
+        peer = statistics.median(times[ROWS[2] + masked])
+        for name in ROWS:
+            runs = times[name + masked]
+            med = statistics.median(runs)
+            lines.append(f"| {name}{masked} | {med * 1e3:.0f} | {' '.join(f'{t * 1e3:.0f}' for t in runs)} | "
+                         f"{peer / med:.2f}x |")
+    lines.append(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(table(args, run(args)))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,8 @@ initialisation does not depend on the split.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -22,7 +24,7 @@ from ..context_parallel import CPContext
 from ..model.chunk import routers_of
 from ..model.gpt import GPTModel
 from ..model.transformer import TPContext
-from ..moe.context import ExpertContext
+from ..moe.context import Dispatcher, ExpertContext
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import initialize_parameters, materialize, spec_of
@@ -67,7 +69,8 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     """
     vp = plan.virtual_stages
     rng = dropout_rng(cfg, pstate) if rng is None else rng
-    experts = ExpertContext.of(pstate, plan.sequence_parallel, cfg.parallel.moe_token_dispatcher_type)
+    dispatcher = cast(Dispatcher, cfg.parallel.moe_token_dispatcher_type)  # one of those: the config checked it
+    experts = ExpertContext.of(pstate, plan.sequence_parallel, dispatcher)
     ctx = TPContext(group=pstate.tp_group, sequence_parallel=plan.sequence_parallel, rng=rng,
                     cp=cp_context(plan, pstate), experts=experts)
     ranges = chunk_layer_ranges(cfg.model.num_layers, pstate.pp, vp)[pstate.pp_rank]

@@ -1,0 +1,94 @@
+"""Mixture-of-experts training runs for model-parity tests: tiny MoE configs, many layouts inside one world.
+
+A run trains through the pieces ``pretrain_gpt.py`` uses (``build_model_chunks``, ``parallelize``, the
+plan's schedule, ``Trainer``: ``optimizer_harness.train``); the parent compares each iteration's loss and
+grad norm with the same config trained in one process, which keeps its global batch (dp only changes how
+many micro-batches each rank runs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.model.chunk import routers_of
+from megazero.parallel.layout import Layout
+from megazero.parallel.state import ParallelState
+from tests.helpers.optimizer_harness import train
+
+VOCAB = 256
+ADAM_EPS = 1e-4  # see optimizer_harness: noise-only updates (the key bias) stay far below lr
+MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+
+
+def make_cfg(arch: str = "llama", *, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+             zero: int = 0, comm: str = "p2p", schedule: str | None = None, vp: int | None = None,
+             layers: int = 2, iters: int = 20, model: dict | None = None, parallel: dict | None = None,
+             training: dict | None = None) -> Config:
+    """A 2-layer, 32-wide MoE model (E 4, k 2, aux and z losses on); ``model`` / ``parallel`` / ``training``:
+    more fields of those sections."""
+    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
+    return Config(
+        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                expert_tensor_parallel_size=etp, zero=zero, sequence_parallel=tp > 1,
+                                cp_comm_type=comm, pipeline_schedule=schedule, virtual_pipeline_size=vp,
+                                **(parallel or {})),
+        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=32, vocab_size=VOCAB,
+                          **heads, **{**MOE, **(model or {})}),
+        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1),
+        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=iters, seed=7, device="cpu",
+                                **(training or {})),
+        logging=LoggingConfig(log_interval=1))
+
+
+@dataclass(frozen=True)
+class MoERun:
+    key: str
+    cfg: Config
+    rerun: bool = False  # train it a second time: the records must be bitwise equal
+
+
+def layout_of(cfg: Config, world: int) -> Layout:
+    p = cfg.parallel
+    return Layout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.expert_tensor_parallel_size)
+
+
+def records(result: dict[str, Any]) -> list[tuple[float, float]]:
+    return [(r["loss"], r["grad_norm"]) for r in result["records"]]
+
+
+def _has_routers(chunks: list[torch.nn.Module], optimizer: Any, pstate: ParallelState) -> None:
+    """Every stage of these tiny models is MoE: a run that built dense layers is not testing anything."""
+    assert all(routers_of(chunk) for chunk in chunks), "the MoE flags built no router"
+
+
+def run_many(pstate: ParallelState, runs: list[MoERun]) -> dict[str, list[list[tuple[float, float]]]]:
+    """Every rank trains every run (twice where ``rerun``), building each new layout's groups collectively."""
+    states: dict[Layout, ParallelState] = {}
+    out = {}
+    for run in runs:
+        layout = layout_of(run.cfg, pstate.layout.world_size)
+        if layout not in states:
+            states[layout] = ParallelState.build(layout, "cpu", cp_a2a=run.cfg.parallel.cp_a2a)
+        times = 2 if run.rerun else 1
+        out[run.key] = [records(train(states[layout], run.cfg, hook=_has_routers)) for _ in range(times)]
+    return out
+
+
+def serial_config(cfg: Config) -> Config:
+    """The same training in one process: no parallelism, ZeRO 0, nothing offloaded, no recompute (bitwise the
+    same in one process), the same model."""
+    return replace(cfg, parallel=ParallelConfig(), training=replace(cfg.training, recompute="none"))
+
+
+def serial_records(cfgs: list[Config]) -> list[list[tuple[float, float]]]:
+    """One-process runs on one thread (as every spawned rank runs; two would contend with the ranks)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return [records(train(ParallelState.serial(), serial_config(cfg))) for cfg in cfgs]
+    finally:
+        torch.set_num_threads(threads)

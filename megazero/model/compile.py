@@ -23,6 +23,9 @@ What stays eager (a graph break; everything else of the block is one graph):
 - *Selective recompute*: the checkpointed attention core (``recompute.py``), so recompute is set
   first (``apply_recompute`` refuses a compiled block).
 - *Context parallelism*: the attention core's ring / all-to-all collectives.
+- *Mixture of experts*: the MoE layer (``moe/layer.py``) sizes its all-to-all and grouped GEMM from token
+  counts read on the host, routes differently every step (shapes that change), and its router counts
+  tokens only outside backward (a recompute): it runs eager whole; attention and norms stay compiled.
 - *Tensor parallelism*: the TP layers' communicating autograd Functions
   (``tensor_parallel/comm.py``, ``layers.py``) are not traceable; dynamo breaks
   around each, so a TP block compiles into the regions between its collectives.
@@ -40,6 +43,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..moe.layer import MoELayer
 from .chunk import blocks_of
 from .transformer import TransformerBlock
 
@@ -51,6 +55,8 @@ def eager_sites(block: TransformerBlock) -> list[str]:
     nothing), runs CP collectives, or is recompute's checkpoint wrapper.
     """
     sites = ["_dropout"] if block.cfg.hidden_dropout > 0.0 else []
+    if isinstance(block.mlp, MoELayer):
+        sites.append("mlp")
     if block.ctx.rng is not None or block.ctx.cp.active or block.attention.recompute_core:
         sites.append("attention.core_attention")
     return sites
@@ -67,6 +73,7 @@ def compile_block(block: TransformerBlock, backend: str = "inductor") -> bool:
     sites = eager_sites(block)
     block.dropout_eager = "_dropout" in sites
     block.attention.core_eager = "attention.core_attention" in sites
+    block.mlp_eager = "mlp" in sites
     fullgraph = not sites and block.ctx.tp == 1
     block.compiled_body = torch.compile(block.body, fullgraph=fullgraph, dynamic=False, backend=backend)
     return fullgraph

@@ -250,13 +250,15 @@ class TransformerBlock(nn.Module):
         self.recompute = "none"  # ``recompute.apply_recompute``: "full" checkpoints this block (its compiled body)
         self.compiled_body: Callable[..., torch.Tensor] | None = None  # --compile: ``compile.compile_block``
         self.dropout_eager = False  # --compile: the drawing dropout is a graph break (``compile.eager_sites``)
+        self.mlp_eager = False  # --compile: the MoE layer is a graph break (``compile.eager_sites``)
         self.zero3_unit: int | None = None  # --zero 3: the unit gathering this block (``data_parallel/zero3.py``)
 
     def extra_repr(self) -> str:
         """What ``training/parallelize.py`` applied, as ``print(model)`` shows it."""
         applied = [f"layer {self.layer_id}", f"recompute={self.recompute}"]
         if self.compiled_body is not None:
-            applied.append("compiled" + (", dropout eager" if self.dropout_eager else ""))
+            eager = [f"{what} eager" for what, on in (("dropout", self.dropout_eager), ("moe", self.mlp_eager)) if on]
+            applied.append(", ".join(["compiled", *eager]))
         if self.zero3_unit is not None:
             applied.append(f"zero3 unit {self.zero3_unit}")
         return ", ".join(applied)
@@ -265,6 +267,9 @@ class TransformerBlock(nn.Module):
         if not self.training or self.cfg.hidden_dropout == 0.0:
             return x
         return hidden_dropout(x, self.cfg.hidden_dropout, self.ctx, self.layer_id)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
@@ -277,10 +282,12 @@ class TransformerBlock(nn.Module):
     def body(self, x: torch.Tensor, cache: KVCache | None = None,
              documents: Documents | None = None) -> torch.Tensor:
         dropout = _dropout_eager if self.dropout_eager else TransformerBlock._dropout
+        mlp = _mlp_eager if self.mlp_eager else TransformerBlock._mlp
         x = x + dropout(self, self.attention(self.norm1(x), cache=cache, documents=documents))
-        return x + dropout(self, self.mlp(self.norm2(x)))
+        return x + dropout(self, mlp(self, self.norm2(x)))
 
 
 # --compile's graph breaks (``compile.eager_sites``): the same code, run eager from inside a compiled body
 _attend_eager = torch.compiler.disable(Attention.attend, recursive=True)
 _dropout_eager = torch.compiler.disable(TransformerBlock._dropout, recursive=True)
+_mlp_eager = torch.compiler.disable(TransformerBlock._mlp, recursive=True)

@@ -109,3 +109,20 @@ def test_aux_loss_gradient_is_the_same_in_every_split():
             check(f"{name} rank", rank_out[name])
             seen |= set(rank_out[name])
         assert seen == set(reference), f"{name}: the routers of every stage took part ({seen})"
+
+
+def test_aux_scale_follows_the_fp16_loss_scale():
+    """fp16: the LM loss's gradient is multiplied by the dynamic loss scale (unscaled by the optimizer), so the
+    routers' is too, at the scale of the step that runs (it changes between steps)."""
+    cfg = make_cfg(micro_batches=4)
+    cfg = replace(cfg, training=replace(cfg.training, fp16=True))
+    chunks, optimizer = build(ParallelState.serial(), cfg)
+    try:
+        sample = torch.randint(VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(3))
+        for scale in (1024.0, 8.0):
+            optimizer.scaler.scale = scale
+            with torch.no_grad():
+                chunks[0](sample[:, :-1], sample[:, 1:])
+            assert [r.aux_scale for r in routers_of(chunks[0])] == [scale / 4] * 2
+    finally:
+        optimizer.close()

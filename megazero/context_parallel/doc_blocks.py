@@ -4,35 +4,84 @@
 sample length S. The mask is block-diagonal causal: query i sees key j iff both lie in the same
 document and j <= i.
 
-Whole sequences (no CP, or Ulysses after its all-to-all): ``document_attention`` calls SDPA
-(causal, the fused kernel) once per document on that document's slice, so nothing outside the
-diagonal blocks is computed and no S x S mask is built.
+Whole sequences (no CP, or Ulysses after its all-to-all): ``document_attention`` calls the fused
+causal kernel (``blocks.block_forward``) once per document on that document's slice, writing into one
+output, so nothing outside the diagonal blocks is computed and no S x S mask is built.
 
 Under the ring, a rank holds its tokens as *runs*: contiguous global ranges at known local offsets
 (two chunks, ρ and 2R-1-ρ, of the load-balanced split). ``document_blocks`` intersects a query run
 and a key run with every document; each non-empty piece is either dense (the document's keys all
 precede its queries) or the causal square (the same run), so the fused block kernel handles it
 without a mask, and a K/V block that meets no query's document yields no piece at all: skipped.
-``needed_rows`` says which rows of a rank's K/V any given ranks use: the ring sends only those.
 """
 from __future__ import annotations
 
 import bisect
-import functools
 
 import torch
 import torch.nn.functional as F
 
+from .blocks import acc_dtype, block_backward, block_forward
+
 Bounds = tuple[tuple[int, ...], ...]  # per sample: 0, each later document's start, S (cu_seqlens)
 Run = tuple[int, int, int]  # (local start, global start, length)
 Piece = tuple[slice, slice, slice, bool]  # (sample, query rows, key rows, causal), local indices
-Span = tuple[int, int]  # [lo, hi) of local rows
+
+
+def causal_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   bounds: Bounds | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of causal attention over whole sequences: one fused call, or one per document."""
+    if bounds is None:
+        return block_forward(q, k, v, True)
+    assert len(bounds) == q.shape[0] and bounds[0][-1] == q.shape[2], "bounds do not match the batch"
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
+    for rows in _document_rows(bounds):
+        out[rows], lse[rows] = block_forward(q[rows], k[rows], v[rows], True)
+    return out, lse
+
+
+def causal_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, bounds: Bounds | None) -> list[torch.Tensor]:
+    """(dq, dk, dv) in q's dtype of ``causal_forward``, each document's written in place."""
+    if bounds is None:
+        return [g.to(q.dtype) for g in block_backward(dout, q, k, v, out, lse, True)]
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    for rows in _document_rows(bounds):
+        for grad, part in zip(grads, block_backward(dout[rows], q[rows], k[rows], v[rows], out[rows], lse[rows],
+                                                    True)):
+            grad[rows] = part
+    return grads
+
+
+def _document_rows(bounds: Bounds) -> list[tuple[slice, slice, slice]]:
+    return [(slice(b, b + 1), slice(None), slice(s, e))
+            for b, cuts in enumerate(bounds) for s, e in zip(cuts[:-1], cuts[1:])]
+
+
+class _DocumentAttention(torch.autograd.Function):
+    """Per-document causal attention writing into one output (and one gradient per input): slicing under
+    autograd would add a whole-size gradient per document."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Bounds) -> torch.Tensor:
+        out, lse = causal_forward(q, k, v, bounds)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.bounds = bounds
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*causal_backward(dout.contiguous(), q, k, v, out, lse, ctx.bounds), None)
 
 
 def document_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
                        bounds: Bounds, dropout_p: float = 0.0) -> torch.Tensor:
-    """Block-diagonal causal attention of whole sequences: one causal SDPA call per document."""
+    """Block-diagonal causal attention of whole sequences: one fused causal call per document (with
+    attention dropout: one SDPA call per document, whose kernel draws the dropout)."""
     assert len(bounds) == q_bnsd.shape[0] and bounds[0][-1] == q_bnsd.shape[2], "bounds do not match the batch"
+    if dropout_p == 0.0:
+        return _DocumentAttention.apply(q_bnsd, k_bgsd, v_bgsd, bounds)
     gqa = q_bnsd.shape[1] != k_bgsd.shape[1]
     samples = []
     for b, cuts in enumerate(bounds):
@@ -86,19 +135,3 @@ def pairs(pieces: list[Piece]) -> int:
         total += nq * (nq + 1) // 2 if causal else nq * nk
     return total
 
-
-@functools.lru_cache(maxsize=256)
-def needed_rows(src: int, receivers: tuple[int, ...], size: int, local_len: int,
-                bounds: Bounds | None) -> tuple[Span, Span]:
-    """Per run of ring rank ``src``'s K/V (its early chunk, its late chunk): the local rows [lo, hi) that
-    the pieces of any of ``receivers`` use, in any sample (empty: lo = hi); every row without ``bounds``."""
-    half = local_len // 2
-    if bounds is None:
-        return (0, half), (half, local_len)
-    lo, hi = [half, local_len], [0, half]
-    for r in receivers:
-        for _, _, ks, _ in document_blocks(ring_runs(r, size, local_len), ring_runs(src, size, local_len), bounds):
-            run = 0 if ks.start < half else 1
-            lo[run], hi[run] = min(lo[run], ks.start), max(hi[run], ks.stop)
-    spans = [(a, b) if a < b else (run * half, run * half) for run, (a, b) in enumerate(zip(lo, hi))]
-    return spans[0], spans[1]

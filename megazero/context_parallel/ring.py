@@ -17,17 +17,23 @@ The next K/V is sent (isend/irecv through ``collectives.batch_isend_irecv``) bef
 is computed, so the exchange overlaps attention. GQA: only the g kv heads travel. Partial outputs merge
 with their LSE in fp32 (``blocks.merge``). Backward: K/V rotate again; the dK/dV of a rank's own block
 stay home, and an accumulator for another rank's K/V starts on the rank after it, travels with it,
-each rank adding its share, and after R-1 hops is back with its owner. Per rank and call, unmasked:
+each rank adding its share, and after R-1 hops is back with its owner. Per rank and call, at most:
 forward (R-1) sends of [K; V]; backward (R-1) of [K; V] and (R-1) of [dK; dV] (in the accumulation
 dtype: fp32, or fp64 for fp64 inputs).
 
 Documents (``bounds``): each step computes only the per-document pieces of the local runs against the
 held K/V's runs (``doc_blocks.document_blocks``), and rows a block does not reach merge in at lse =
--inf. A hop carries only the rows of the K/V that some rank still ahead uses (``doc_blocks.needed_rows``:
-per run of the owner, the span from the first to the last such row), nothing when none does; the
-dK/dV accumulator carries the rows any rank uses. Every rank derives the same spans from ``bounds``.
+-inf.
+
+What travels: a hop carries only the rows of the K/V that some rank still ahead uses (``needed_rows``:
+per chunk of the owner, the span from the first to the last such row), nothing when none does; the
+dK/dV accumulator carries the rows any rank uses. Every rank derives the same spans. Unmasked, that
+is every row but for rank 0's K/V, whose late chunk no other rank's query sees (half its rows travel);
+with documents, only the rows of documents that cross chunks.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -35,11 +41,13 @@ import torch.distributed as dist
 from ..parallel import collectives
 from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward, merge
-from .doc_blocks import Bounds, Piece, Span, document_attention, document_blocks, needed_rows, ring_runs
+from .doc_blocks import Bounds, Piece, document_attention, document_blocks, ring_runs
 
 _KV_TAG, _DKV_TAG = 11, 12  # two exchanges can be in flight between the same pair of ranks
 
 Block = tuple[slice, slice, bool]  # (query rows, key rows, causal)
+Span = tuple[int, int]  # [lo, hi) of local rows
+_ALL = slice(None)
 
 
 def ring_blocks(step: int, rank: int, size: int, local_len: int, balanced: bool = True) -> list[Block]:
@@ -64,6 +72,33 @@ def attention_work(rank: int, size: int, local_len: int, balanced: bool = True) 
             nq, nk = qs.stop - qs.start, ks.stop - ks.start
             total += nq * (nq + 1) // 2 if causal else nq * nk
     return total
+
+
+def pieces_of(rank: int, src: int, size: int, local_len: int, balanced: bool,
+              bounds: Bounds | None) -> list[Piece]:
+    """What ring rank ``rank`` computes against ring rank ``src``'s K/V: the causal ring's blocks for every
+    sample, or, with documents, the per-document pieces of its runs against src's runs (none: skipped)."""
+    if bounds is None:
+        return [(_ALL, qs, ks, causal) for qs, ks, causal in ring_blocks((rank - src) % size, rank, size, local_len,
+                                                                         balanced)]
+    return document_blocks(ring_runs(rank, size, local_len), ring_runs(src, size, local_len), bounds)
+
+
+@functools.lru_cache(maxsize=256)
+def needed_rows(src: int, receivers: tuple[int, ...], size: int, local_len: int, balanced: bool,
+                bounds: Bounds | None) -> tuple[Span, Span]:
+    """Per half of ring rank ``src``'s local rows (its two chunks): the span [lo, hi) of the key rows the
+    pieces of any of ``receivers`` use, in any sample (empty: lo = hi)."""
+    half = local_len // 2
+    runs = ((0, half), (half, local_len))
+    lo, hi = [local_len, local_len], [0, 0]
+    for r in receivers:
+        for _, _, ks, _ in pieces_of(r, src, size, local_len, balanced, bounds):
+            for i, (a, b) in enumerate(runs):
+                if max(ks.start, a) < min(ks.stop, b):
+                    lo[i], hi[i] = min(lo[i], max(ks.start, a)), max(hi[i], min(ks.stop, b))
+    spans = [(lo[i], hi[i]) if lo[i] < hi[i] else (runs[i][0], runs[i][0]) for i in range(2)]
+    return spans[0], spans[1]
 
 
 class _Rows:
@@ -97,17 +132,22 @@ class _Rows:
 class _Ring:
     """This rank's place in the ring, the exchanges with its neighbours, and what each hop carries."""
 
-    def __init__(self, group: dist.ProcessGroup, local_len: int, bounds: Bounds | None) -> None:
-        self.group, self.local_len, self.bounds = group, local_len, bounds
+    def __init__(self, group: dist.ProcessGroup, local_len: int, balanced: bool, bounds: Bounds | None) -> None:
+        self.group, self.local_len, self.balanced, self.bounds = group, local_len, balanced, bounds
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def pieces(self, step: int) -> list[Piece]:
+        """What this rank computes at ``step``, holding the K/V of ring rank ``rank - step``."""
+        return pieces_of(self.rank, (self.rank - step) % self.size, self.size, self.local_len, self.balanced,
+                         self.bounds)
 
     def hop_rows(self, src: int, hop: int) -> _Rows:
         """The rows of ring rank ``src``'s K/V on its ``hop``-th hop: those some rank still ahead uses."""
         src %= self.size
         ahead = tuple((src + h) % self.size for h in range(hop, self.size))
-        return _Rows(needed_rows(src, ahead, self.size, self.local_len, self.bounds))
+        return _Rows(needed_rows(src, ahead, self.size, self.local_len, self.balanced, self.bounds))
 
     def exchange(self, send: torch.Tensor | None, buf: torch.Tensor | None, tag: int) -> tuple:
         """Send ``send`` to the next rank and receive into ``buf`` from the previous one (either may be
@@ -141,22 +181,7 @@ def _rows(t: torch.Tensor, b: slice, s: slice) -> torch.Tensor:
     return t[b, :, s]
 
 
-_ALL = slice(None)
-
-
-def step_pieces(step: int, ring: "_Ring", balanced: bool) -> list[Piece]:
-    """What this rank computes at ``step``: the causal ring's blocks for every sample, or, with documents,
-    the per-document pieces of its runs against the held K/V's runs (none: the block is skipped)."""
-    local_len = ring.local_len
-    if ring.bounds is None:
-        return [(_ALL, qs, ks, causal) for qs, ks, causal in ring_blocks(step, ring.rank, ring.size, local_len,
-                                                                         balanced)]
-    src = (ring.rank - step) % ring.size
-    return document_blocks(ring_runs(ring.rank, ring.size, local_len), ring_runs(src, ring.size, local_len),
-                           ring.bounds)
-
-
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, balanced: bool,
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
              force_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out in the accumulation dtype, lse [b, n, L]) of the local queries against every rank's K/V."""
     whole = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
@@ -167,7 +192,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, bal
         lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for step in range(ring.size):
         nxt, nxt_rows, works = ring.shift_kv(kv, held, step, whole) if step < ring.size - 1 else (None, None, [])
-        for bs, qs, ks, causal in step_pieces(step, ring, balanced):
+        for bs, qs, ks, causal in ring.pieces(step):
             ks = held.slot(ks)
             out_b, lse_b = block_forward(_rows(q, bs, qs), _rows(kv[0], bs, ks), _rows(kv[1], bs, ks), causal,
                                          force_math)
@@ -181,9 +206,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, bal
 
 
 def _block_grads(dout, q, kv, out, lse, ring: _Ring, step: int, held: _Rows, dq: torch.Tensor,
-                 dkv: torch.Tensor, dkv_rows: _Rows, balanced: bool, force_math: bool) -> None:
+                 dkv: torch.Tensor, dkv_rows: _Rows, force_math: bool) -> None:
     """Add this step's pieces' gradients into dq and dkv (laid out as ``dkv_rows``)."""
-    for bs, qs, ks, causal in step_pieces(step, ring, balanced):
+    for bs, qs, ks, causal in ring.pieces(step):
         kslice = held.slot(ks)
         dq_b, dk_b, dv_b = block_backward(_rows(dout, bs, qs), _rows(q, bs, qs), _rows(kv[0], bs, kslice),
                                           _rows(kv[1], bs, kslice), _rows(out, bs, qs), _rows(lse, bs, qs), causal,
@@ -195,7 +220,7 @@ def _block_grads(dout, q, kv, out, lse, ring: _Ring, step: int, held: _Rows, dq:
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-              lse: torch.Tensor, ring: _Ring, balanced: bool,
+              lse: torch.Tensor, ring: _Ring,
               force_math: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the accumulation dtype; dk/dv are this rank's own K/V's, summed over the ring.
 
@@ -214,7 +239,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
         src = ring.rank - step
         rows = held if step == 0 else ring.hop_rows(src, 1)
         dkv = own if step == 0 else own.new_zeros(*own.shape[:-2], rows.count, own.shape[-1])
-        _block_grads(dout, q, kv, out, lse, ring, step, held, dq, dkv, rows, balanced, force_math)
+        _block_grads(dout, q, kv, out, lse, ring, step, held, dq, dkv, rows, force_math)
         if step > 0:
             _wait(acc_works)  # the accumulator for this K/V, with the earlier ranks' shares
             if acc_in is not None:
@@ -239,17 +264,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                 balanced: bool, force_math: bool, bounds: Bounds | None) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        ring = _Ring(group, q.shape[2], bounds)
-        out, lse = _forward(q, k, v, ring, balanced, force_math)
+        ring = _Ring(group, q.shape[2], balanced, bounds)
+        out, lse = _forward(q, k, v, ring, force_math)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.balanced, ctx.force_math = ring, balanced, force_math
+        ctx.ring, ctx.force_math = ring, force_math
         return out
 
     @staticmethod
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.balanced, ctx.force_math)
+        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.force_math)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

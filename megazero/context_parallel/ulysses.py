@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from ..parallel import collectives
 from ..parallel.collectives import Group
-from .blocks import acc_dtype, block_backward, block_forward
-from .doc_blocks import Bounds, document_attention
+from .doc_blocks import Bounds, causal_backward, causal_forward, document_attention
 
 
 def _seq_view(t: torch.Tensor, u: int, count: int = 1, c: int = 0) -> torch.Tensor:
@@ -129,32 +128,6 @@ def _serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
 
 
-def _whole_attention(q, k, v, bounds: Bounds | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of causal attention over whole sequences: one fused call, or one per document."""
-    if bounds is None:
-        return block_forward(q, k, v, True)
-    out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
-    for b, cuts in enumerate(bounds):
-        for s, e in zip(cuts[:-1], cuts[1:]):
-            out[b:b + 1, :, s:e], lse[b:b + 1, :, s:e] = block_forward(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
-                                                                       v[b:b + 1, :, s:e], True)
-    return out, lse
-
-
-def _whole_backward(dout, q, k, v, out, lse, bounds: Bounds | None) -> list[torch.Tensor]:
-    """(dq, dk, dv) in q's dtype of ``_whole_attention``."""
-    if bounds is None:
-        return [g.to(q.dtype) for g in block_backward(dout, q, k, v, out, lse, True)]
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    for b, cuts in enumerate(bounds):
-        for s, e in zip(cuts[:-1], cuts[1:]):
-            rows = (slice(b, b + 1), slice(None), slice(s, e))
-            for grad, part in zip(grads, block_backward(dout[rows], q[rows], k[rows], v[rows], out[rows],
-                                                        lse[rows], True)):
-                grad[rows] = part
-    return grads
-
-
 def _chunk_count(heads_per_rank: int, kv_heads_per_rank: int) -> int:
     """Head chunks to pipeline: 2 when each rank's kv heads (and so its query heads) split in two."""
     return 2 if kv_heads_per_rank % 2 == 0 else 1
@@ -186,7 +159,7 @@ class _UlyssesAttention(torch.autograd.Function):
             if c + 1 < count:  # the next chunk travels while this one is computed
                 incoming = _start([_seq_view(t, u, count, c + 1) for t in (q, k, v)], group)
             qh, kh, vh = (_as_heads(slot, 1) for slot in _slots(recv, [t.shape[1] // (u * count) for t in (q, k, v)]))
-            out, lse = _whole_attention(qh, kh, vh, bounds)
+            out, lse = causal_forward(qh, kh, vh, bounds)
             saved += [qh, kh, vh, out, lse]
             outgoing.append(_start([_head_view(out, u, 1)], group))
         result = torch.empty_like(q)
@@ -207,7 +180,7 @@ class _UlyssesAttention(torch.autograd.Function):
             if c + 1 < count:
                 incoming = _start([_seq_view(dout, u, count, c + 1)], ctx.group)
             qh, kh, vh, out, lse = saved[5 * c:5 * c + 5]
-            grads = _whole_backward(_as_heads(recv, 1), qh, kh, vh, out, lse, ctx.bounds)
+            grads = causal_backward(_as_heads(recv, 1), qh, kh, vh, out, lse, ctx.bounds)
             outgoing.append(_start([_head_view(g, u, 1) for g in grads], ctx.group))
         b, n, s, d = dout.shape
         finals = [dout.new_empty(b, heads, s, d) for heads in (n, ctx.kv_heads, ctx.kv_heads)]

@@ -32,7 +32,7 @@ keeps q (scaled), k and v expanded to n heads (v only for GQA, else the qkv
 output), the output, and three b n s^2 e / t matrices (softmax, mask, dropped).
 With ``--reset-attention-mask`` (``documents.py``: documents of a planned length L_d) the
 kernels run once per document: the math kernel's matrices are b n sum_d L_d^2 e / t each,
-and the flash kernel keeps the attention output twice (each document's and their concatenation).
+and the flash kernel's calls write into one attention output, kept once.
 Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
 and its output. Full recompute keeps only ``s b h e / r`` per block.
 
@@ -139,9 +139,9 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
     if a.cp > 1:
         return _cp_core_bytes(cfg, a)
     if a.attention_kernel(cfg) == "flash":
-        # With GQA the kernel's output is laid out so the out-projection copies it; per-document calls keep
-        # their outputs beside the concatenated one (both measured).
-        copies = 2 if g < n or a.document_length is not None else 1
+        # With GQA the kernel's output is laid out so the out-projection copies it (measured); per-document
+        # calls write into one output (doc_blocks.document_attention).
+        copies = 2 if g < n else 1
         return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * copies}
     expanded = s * b * n * d * e // t
     v_terms = expanded if g < n else qkv_out  # GQA expands v (a copy); MHA keeps the qkv view

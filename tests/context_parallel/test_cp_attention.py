@@ -88,11 +88,15 @@ def _world(pstate, cp: int) -> dict:
     return res
 
 
-def _expected_bytes(comm: str, cp: int, kv: int) -> tuple[float, float]:
+def _expected_bytes(comm: str, cp: int, kv: int, rank: int) -> tuple[float, float]:
     local, e = S // cp, 4  # fp32
     if comm == "p2p":
-        kv_bytes = 2 * B * kv * local * D * e  # [K; V] of this rank's tokens
-        return (cp - 1) * kv_bytes, 2 * (cp - 1) * kv_bytes  # backward: K/V again, others' dK/dV home
+        full = 2 * B * kv * local * D * e  # [K; V] of this rank's tokens
+        # rank 0's K/V travel half (no later rank sees its late chunk): the hop of them that ranks 0 .. cp-2
+        # send, and the dK/dV accumulator of them that ranks 1 .. cp-1 send
+        kv_hops = (cp - 1) * full - (full / 2 if rank <= cp - 2 else 0)
+        dkv_hops = (cp - 1) * full - (full / 2 if rank > 0 else 0)
+        return kv_hops, kv_hops + dkv_hops  # backward: K/V again, others' dK/dV home
     kv_heads = kv if kv % cp == 0 else math.lcm(kv, cp)  # replicated so each rank gets whole kv heads
     per = lambda heads: (cp - 1) / cp * B * heads * local * D * e  # noqa: E731
     four = 2 * per(HEADS) + 2 * per(kv_heads)  # q, k, v, out (backward: dout, dq, dk, dv)
@@ -117,7 +121,7 @@ def test_cp_attention_matches_serial_sdpa(cp: int) -> None:
             for kv in (HEADS, 2):
                 forward, backward = res["bytes", comm, kv]
                 kind = "send" if comm == "p2p" else "all_to_all"
-                want_f, want_b = _expected_bytes(comm, cp, kv)
+                want_f, want_b = _expected_bytes(comm, cp, kv, rank)
                 assert forward == {f"{kind}/cp": round(want_f)}, (rank, comm, kv, forward)
                 assert backward == {f"{kind}/cp": round(want_b)}, (rank, comm, kv, backward)
 

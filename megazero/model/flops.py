@@ -16,6 +16,17 @@ forward. Recomputation adds forward work again: ``full`` re-runs the whole
 forward of the recomputed layers, ``selective`` only the attention core
 (scores and mix).
 
+In an MoE layer (``cfg.is_moe_layer``) the MLP term counts the *active* parameters, what one token
+runs through, never all E experts (F the routed expert width ``moe_ffn_size``, F_s the shared expert's,
+m = 3 for llama's SwiGLU experts, 2 for gpt2's):
+
+    router               2 * h * E
+    routed experts       k * 2 * m * h * F
+    shared expert        2 * m * h * F_s     (with --moe-shared-expert-intermediate-size)
+
+so an MoE model costs what a dense one with f = k * F (+ F_s) costs, plus the router. A capacity run
+counts the same k per token (what it computes usefully, as the head's unpadded vocabulary).
+
 Under ``--reset-attention-mask`` scores and mix are multiplied by ``attended_share``,
 the share of the causal pairs the document mask leaves: sum over documents of
 L_d (L_d + 1) / 2 over S (S + 1) / 2 (``model.documents.attended_share``). A
@@ -27,16 +38,26 @@ from __future__ import annotations
 from ..config import ModelConfig
 
 
-def layer_forward_flops(cfg: ModelConfig, attended_share: float | None = None) -> tuple[float, float]:
-    """(whole layer, attention core only) forward FLOPs per token of one transformer layer; ``attended_share``
-    scales the core to the pairs a document mask leaves (None: full causal)."""
-    h, n, g, d, f, s = (cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim,
-                        cfg.ffn_size, cfg.seq_length)
+def mlp_forward_flops(cfg: ModelConfig, layer_id: int = 0) -> float:
+    """Forward FLOPs per token of layer ``layer_id``'s MLP: the dense one, or an MoE layer's active part (router,
+    k routed experts, the shared expert)."""
+    h, mats = cfg.hidden_size, 3 if cfg.arch == "llama" else 2
+    if not cfg.is_moe_layer(layer_id):
+        return 2.0 * mats * h * cfg.ffn_size
+    assert cfg.num_experts is not None
+    active_width = cfg.moe_router_topk * cfg.moe_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
+    return 2.0 * h * cfg.num_experts + 2.0 * mats * h * active_width
+
+
+def layer_forward_flops(cfg: ModelConfig, attended_share: float | None = None,
+                        layer_id: int = 0) -> tuple[float, float]:
+    """(whole layer, attention core only) forward FLOPs per token of transformer layer ``layer_id``;
+    ``attended_share`` scales the core to the pairs a document mask leaves (None: full causal)."""
+    h, n, g, d, s = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.seq_length
     core: float = 2 * s * n * d * 2
     if attended_share is not None:
         core *= attended_share
-    mlp_mats = 3 if cfg.arch == "llama" else 2
-    total = 2 * h * (n + 2 * g) * d + core + 2 * n * d * h + 2 * mlp_mats * h * f
+    total = 2 * h * (n + 2 * g) * d + core + 2 * n * d * h + mlp_forward_flops(cfg, layer_id)
     return float(total), float(core)
 
 
@@ -50,12 +71,12 @@ def flops_per_token(cfg: ModelConfig, recompute: str = "none", recompute_num_lay
     """
     vocab = cfg.vocab_size if vocab_size is None else vocab_size
     assert vocab is not None
-    layer, core = layer_forward_flops(cfg, attended_share)
+    layers = [layer_forward_flops(cfg, attended_share, layer_id) for layer_id in range(cfg.num_layers)]
     head = 2.0 * cfg.hidden_size * vocab
-    forward = cfg.num_layers * layer + head
+    forward = sum(layer for layer, _ in layers) + head
     extra = 0.0
-    if recompute == "full":
-        extra = (recompute_num_layers or cfg.num_layers) * layer
+    if recompute == "full":  # the first N layers' forward again (their MLPs may differ: dense or MoE)
+        extra = sum(layer for layer, _ in layers[:recompute_num_layers or cfg.num_layers])
     elif recompute == "selective":
-        extra = cfg.num_layers * core
+        extra = sum(core for _, core in layers)
     return 3.0 * forward + extra

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import ModelConfig
 from ..parallel import collectives as C
 from ..parallel.collectives import Group
 
@@ -95,6 +96,19 @@ class BalanceLosses:
     score_function: str
     topk: int
     num_experts: int
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig) -> "BalanceLosses":
+        """The losses ``cfg`` asks every router for."""
+        assert cfg.num_experts is not None, "balance losses need --num-experts"
+        return cls(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff,
+                   cfg.moe_router_score_function, cfg.moe_router_topk, cfg.num_experts)
+
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """The keys of the values ``apply`` returns (what a run logs), in a fixed order."""
+        kind = self.balance_kind
+        return ((kind,) if kind is not None else ()) + (("z_loss",) if self.z_loss_coeff != 0.0 else ())
 
     @property
     def balance_kind(self) -> str | None:

@@ -88,8 +88,7 @@ class Router(nn.Module):
                                init_std=cfg.init_method_std, sequence_parallel=sequence_parallel)
         bias = torch.zeros(num_experts, device=device, dtype=torch.float32)
         self.register_buffer("expert_bias", bias if cfg.moe_router_enable_expert_bias else None)
-        self.balance = BalanceLosses(cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff,
-                                     cfg.moe_z_loss_coeff, cfg.moe_router_score_function, self.topk, num_experts)
+        self.balance = BalanceLosses.from_config(cfg)
         self.aux_scale = 1.0
         self.last_losses: dict[str, torch.Tensor] = {}
         self._step_counts: torch.Tensor | None = None

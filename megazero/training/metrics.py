@@ -68,7 +68,19 @@ def format_iteration(r: dict[str, Any]) -> str:
         parts.append(f"comm wait ms {waits or '-'}")
     if r.get("bubble_fraction") is not None:
         parts.append(f"bubble {r['bubble_fraction']:.2f}")
+    if "moe_imbalance" in r:
+        parts.append(format_moe(r))
     return " | ".join(parts)
+
+
+MOE_LOSS_LABELS = {"moe_aux_loss": "aux", "moe_seq_aux_loss": "seq aux", "moe_z_loss": "z"}
+
+
+def format_moe(r: dict[str, Any]) -> str:
+    """``moe aux 1.003E+00 z 2.1E+00 imbalance 0.042 (layer 3)``: the balance losses (mean over the MoE layers)
+    and the worst layer's max/mean - 1 of tokens per expert; the metrics file has every layer's."""
+    losses = [f"{label} {r[key]:.3E}" for key, label in MOE_LOSS_LABELS.items() if key in r]
+    return " ".join(["moe", *losses, f"imbalance {r['moe_imbalance']:.3f} (layer {r['moe_imbalance_layer']})"])
 
 
 def format_eval(r: dict[str, Any]) -> str:

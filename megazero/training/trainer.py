@@ -35,6 +35,7 @@ from ..pipeline.runner import Schedule, reduce_loss
 from .evaluate import evaluate
 from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
+from .moe_step import moe_step
 from .progress import Progress, summary
 from .step_record import StepRecorder
 from .wandb_log import NullWandb, WandbRun
@@ -139,6 +140,7 @@ class Trainer:
         ring = (group_rank(pstate.cp_ring_group), group_size(pstate.cp_ring_group))
         self.ring = ring if ring[1] > 1 else None  # under a ring, this rank counts its own queries' pairs
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
+        self.moe = moe_step(cfg.model, pstate, chunks)  # expert bias updates, balance records; null when dense
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
         pstate.ledger.timing = cfg.logging.log_timers
 
@@ -151,6 +153,7 @@ class Trainer:
         losses = self.schedule(self.chunks, micro_batches, self.pstate, self.optimizer.no_sync)
         lr = self.lr(self.iteration + 1)
         result = self.optimizer.step(lr)
+        self.moe.after_step()  # the step's token counts, reduced: the aux-loss-free bias update
         return reduce_loss(losses, self.pstate), result, lr
 
     def _count(self, loss: float, result: Any) -> bool:
@@ -204,6 +207,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * self.cfg.model.seq_length
         run_flops, model_flops = self._step_flops()
         tflops = achieved_tflops(run_flops, tokens_per_step, elapsed, self.pstate.layout.world_size)
+        moe = self.moe.fields()  # collectives on every rank; their bytes count in this step's comm_bytes
         record = {
             "iteration": self.iteration, "train_iters": t.train_iters,
             "consumed_samples": self.batches.consumed_samples, "loss": loss, "lr": lr,
@@ -212,7 +216,7 @@ class Trainer:
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
             "tflops_per_device": tflops, "mfu": self._mfu(model_flops, tokens_per_step, elapsed),
             "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
-            **self.progress.fields(self.iteration),
+            **self.progress.fields(self.iteration), **moe,
         }
         if self.cfg.logging.log_timers:
             record["comm_wait_s"] = self.pstate.ledger.take_wait_seconds()

@@ -1,0 +1,105 @@
+"""MoE balance records and aux-loss-free balancing, through ``pretrain_gpt.py`` runs of a tiny MoE GPT on CPU.
+
+- The force-balance router gives max/mean tokens per expert exactly 1 (imbalance 0) in the metrics file,
+  with the counts summed over both sequence-parallel ranks; the step's FLOPs are the active-parameter formula.
+- Full recompute routes the same tokens and counts them once: per-layer counts and loss values equal a run
+  without it (dp 2: the counts cover both replicas' tokens).
+- A router skewed toward two experts (+1.0 on their choice scores, written into a checkpoint's expert bias:
+  every token picks them at the start) is balanced by the bias updates to imbalance <= 0.15 within 100 steps.
+"""
+from __future__ import annotations
+
+import glob
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from megazero.arguments import parse_config
+from megazero.model.flops import flops_per_token
+from tests.helpers.launch import train_records
+
+EXPERTS, TOPK = 4, 2
+MOE = ["--arch", "gpt2", "--num-layers", "2", "--num-attention-heads", "2", "--lr-warmup-iters", "1",
+       "--eval-interval", "0", "--log-interval", "1", "--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK),
+       "--moe-ffn-hidden-size", "32"]
+SMALL = [*MOE, "--hidden-size", "32", "--seq-length", "64", "--micro-batch-size", "4", "--lr", "1e-3"]
+
+
+def _step_flops(record: dict) -> float:
+    """FLOPs per device the record claims for its step (TFLOP/s x seconds: independent of the timing)."""
+    return record["tflops_per_device"] * 1e12 * record["step_time_ms"] / 1000
+
+
+def _check_flops(records: list[dict], folder, world: int) -> None:
+    """Every step's FLOPs equal the formula of the run's own resolved configuration (config.yaml)."""
+    cfg, _ = parse_config(["--config", str(folder / "config.yaml")])
+    t = cfg.training
+    tokens = t.global_batch_size * cfg.model.seq_length
+    expected = flops_per_token(cfg.model, t.recompute, t.recompute_num_layers) * tokens
+    assert all(_step_flops(r) * world == pytest.approx(expected, rel=1e-9) for r in records)
+
+
+def _counts(record: dict) -> dict[str, list[int]]:
+    return {layer: v["tokens_per_expert"] for layer, v in record["moe_layers"].items()}
+
+
+def test_force_balance_records_exact_balance_and_active_flops(tmp_path) -> None:
+    args = [*SMALL, "--global-batch-size", "8", "--train-iters", "2", "--tp", "2", "--sequence-parallel",
+            "--moe-router-force-balance"]
+    records = train_records(tmp_path / "fb.jsonl", args, 2)
+    assignments = 8 * 64 * TOPK  # the global batch's tokens, k experts each
+    for r in records:
+        assert r["moe_imbalance"] == 0.0
+        for layer in ("0", "1"):
+            counts = r["moe_layers"][layer]["tokens_per_expert"]
+            assert counts == [assignments // EXPERTS] * EXPERTS  # both TP ranks' halves of the sequence
+            assert max(counts) / (sum(counts) / EXPERTS) == 1.0
+    _check_flops(records, tmp_path, 2)
+
+
+def test_full_recompute_counts_tokens_once(tmp_path) -> None:
+    args = [*SMALL, "--global-batch-size", "16", "--train-iters", "3", "--moe-aux-loss-coeff", "1e-2",
+            "--moe-z-loss-coeff", "1e-3"]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "full").mkdir()
+    plain = train_records(tmp_path / "plain" / "m.jsonl", args, 2)
+    full = train_records(tmp_path / "full" / "m.jsonl", [*args, "--recompute", "full"], 2)
+    assert len(plain) == len(full) == 3
+    for a, b in zip(plain, full, strict=True):
+        assert _counts(a) == _counts(b)
+        assert all(sum(c) == 16 * 64 * TOPK for c in _counts(a).values())  # both dp ranks, both micro-batches
+        for key in ("moe_aux_loss", "moe_z_loss", "moe_imbalance"):
+            assert a[key] == b[key]
+        assert a["moe_aux_loss"] > 0 and a["moe_z_loss"] > 0
+    _check_flops(plain, tmp_path / "plain", 2)
+    _check_flops(full, tmp_path / "full", 2)
+
+
+def _skew_expert_bias(checkpoint, experts: slice, amount: float) -> None:
+    """Add ``amount`` to every router's expert bias for ``experts`` in the saved model file."""
+    (path,) = glob.glob(str(checkpoint / "iter_*" / "model_tp00_pp00.safetensors"))
+    tensors = load_file(path)
+    for name in [n for n in tensors if n.endswith("router.expert_bias")]:
+        tensors[name] = tensors[name].clone()
+        tensors[name][experts] += amount
+    save_file(tensors, path)
+
+
+def test_expert_bias_balances_a_skewed_router(tmp_path) -> None:
+    """2048 tokens a step (the per-step sampling noise of the counts is a few percent), init std 0.1 so one
+    bias step moves few tokens; lr 1e-4 keeps the LM's own pull on the router small."""
+    args = [*MOE, "--hidden-size", "16", "--seq-length", "128", "--micro-batch-size", "16",
+            "--global-batch-size", "16", "--lr", "1e-4", "--init-method-std", "0.1",
+            "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "2e-2"]
+    for name in ("start", "skewed"):
+        (tmp_path / name).mkdir()
+    train_records(tmp_path / "start" / "m.jsonl", [*args, "--train-iters", "1", "--save", str(tmp_path / "ckpt")], 1)
+    _skew_expert_bias(tmp_path / "ckpt", slice(0, 2), 1.0)
+    records = train_records(tmp_path / "skewed" / "m.jsonl",
+                            [*args, "--train-iters", "101", "--load", str(tmp_path / "ckpt")], 1)
+    assert [r["iteration"] for r in (records[0], records[-1])] == [2, 101]
+    first, last = records[0], records[-1]
+    assert first["moe_imbalance"] > 0.8, f"the skew must route most tokens to experts 0 and 1: {_counts(first)}"
+    assert last["moe_imbalance"] <= 0.15, [round(r["moe_imbalance"], 3) for r in records[-20:]]
+    assert torch.tensor(list(_counts(last).values())).sum() == 2 * 16 * 128 * TOPK

@@ -8,6 +8,8 @@ A group of one rank (``None``) makes every op the identity.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..parallel import collectives as C
@@ -33,6 +35,52 @@ class _AllToAllRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_to_all(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+
+
+class _InFlight:
+    """One all-to-all of rows in flight each way: its handle and its output, shared by a start and a wait node."""
+
+    def __init__(self) -> None:
+        self.forward: tuple = (None, None)  # (work, received rows)
+        self.backward: tuple = (None, None)  # (work, gradient rows on their way home)
+
+
+def _start(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> tuple:
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return C.all_to_all_single(out, x.contiguous(), group, async_op=True, out_splits=out_splits,
+                               in_splits=in_splits), out
+
+
+class _StartRows(torch.autograd.Function):
+    """Forward: issue the all-to-all, return an empty token / backward: wait for the gradients' return trip."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, flight):
+        ctx.flight = flight
+        flight.forward = _start(x, group, out_splits, in_splits)
+        return x.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        work, grad = ctx.flight.backward
+        work.wait()
+        return grad, None, None, None, None
+
+
+class _WaitRows(torch.autograd.Function):
+    """Forward: wait, return the received rows / backward: issue the reverse all-to-all of their gradient."""
+
+    @staticmethod
+    def forward(ctx, token, group, out_splits, in_splits, flight):
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.flight = group, out_splits, in_splits, flight
+        work, out = flight.forward
+        work.wait()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.flight.backward = _start(grad, ctx.group, ctx.in_splits, ctx.out_splits)
+        return grad.new_empty(0), None, None, None, None
 
 
 class _GatherRows(torch.autograd.Function):
@@ -64,6 +112,21 @@ class _SumGrad(torch.autograd.Function):
 def all_to_all_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
     """Send ``in_splits[i]`` rows of ``x`` (in order) to rank i; return the ``out_splits[j]`` rows from each j."""
     return x if group_size(group) == 1 else _AllToAllRows.apply(x, group, out_splits, in_splits)
+
+
+def all_to_all_rows_overlapped(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int],
+                               work: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``all_to_all_rows`` with ``work()`` run while the rows travel: (received rows, what ``work`` returned).
+
+    In backward the same overlap holds the other way round: the received rows' gradients travel home while
+    autograd runs ``work``'s backward (it was recorded between the start and the wait, so the engine reaches
+    it after issuing the reverse all-to-all and before waiting for it)."""
+    if group_size(group) == 1:
+        return x, work()
+    flight = _InFlight()
+    token = _StartRows.apply(x, group, out_splits, in_splits, flight)
+    done = work()
+    return _WaitRows.apply(token, group, out_splits, in_splits, flight), done
 
 
 def all_gather_uneven_rows(x: torch.Tensor, group: Group, sizes: list[int]) -> torch.Tensor:

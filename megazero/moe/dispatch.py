@@ -26,7 +26,7 @@ import torch
 
 from ..parallel import collectives as C
 from ..tensor_parallel.comm import reduce_scatter_to_sequence_parallel_region
-from .comm import all_gather_rows, all_to_all_rows
+from .comm import all_gather_rows, all_to_all_rows, all_to_all_rows_overlapped
 from .context import ExpertContext
 from .experts import GroupedExperts, expert_ids
 
@@ -96,32 +96,58 @@ def combine_weighted(out_AH: torch.Tensor, plan: Plan, probs_TK: torch.Tensor) -
     return y[:tokens].to(out_AH.dtype)
 
 
+def _without(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """``rows`` less the block start:stop (a view when the block is at either end)."""
+    if start == 0 or stop == rows.shape[0]:
+        return rows[stop:] if start == 0 else rows[:start]
+    return torch.cat([rows[:start], rows[stop:]])
+
+
+def _zero_at(splits: list[int], index: int) -> list[int]:
+    return [0 if i == index else n for i, n in enumerate(splits)]
+
+
 class AllToAllDispatcher:
-    """Dropless (or capacity-bound) all-to-all over the ep group; see the module docstring."""
+    """Dropless (or capacity-bound) all-to-all over the ep group; see the module docstring.
+
+    The rows a rank routes to its own experts never enter the all-to-all: they run through the experts
+    while the other rows travel (and, in backward, while those rows' gradients travel home), so the
+    exchange hides behind that compute.
+    """
 
     def __init__(self, num_experts: int, ctx: ExpertContext, capacity: Capacity | None) -> None:
         self.num_experts, self.ctx, self.capacity = num_experts, ctx, capacity
 
     def __call__(self, x_TH: torch.Tensor, probs_TK: torch.Tensor, experts_TK: torch.Tensor,
                  experts: GroupedExperts) -> torch.Tensor:
-        ep, group = self.ctx.ep, self.ctx.ep_group
+        ep, group, me = self.ctx.ep, self.ctx.ep_group, self.ctx.ep_rank
         plan = make_plan(experts_TK, probs_TK, self.num_experts, self.capacity)
         padded = self.capacity is not None and self.capacity.pad
         x_src = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))]) if padded else x_TH  # row T: padding
+        send = x_src[plan.token]  # by destination rank, then by its local expert
+        if ep == 1:
+            return combine_weighted(experts(send, plan.per_expert.tolist()), plan, probs_TK)
         received = torch.empty_like(plan.per_expert)  # [ep * L]: rows for each local expert from each source
         C.all_to_all_single(received, plan.per_expert, group)
         received_EL = received.view(ep, -1)
         send_splits = plan.per_expert.view(ep, -1).sum(1).tolist()
-        recv_splits = received_EL.sum(1).tolist()
-        rows = all_to_all_rows(x_src[plan.token], group, recv_splits, send_splits)  # [source][local expert]
-        counts = received_EL.sum(0).tolist()
-        if ep == 1:
-            out = experts(rows, counts)
-        else:
-            order = torch.argsort(torch.cat([expert_ids(row) for row in received_EL]), stable=True)
-            out = experts(rows[order], counts)[torch.argsort(order)]
-        back = all_to_all_rows(out, group, send_splits, recv_splits)  # in the order sent: plan's assignments
-        return combine_weighted(back, plan, probs_TK)
+        away, home = _zero_at(send_splits, me), _zero_at(received_EL.sum(1).tolist(), me)
+        start = sum(send_splits[:me])
+        stop, counts = start + send_splits[me], received_EL.tolist()
+        rows, out_mine = all_to_all_rows_overlapped(  # [other source][local expert]
+            _without(send, start, stop), group, home, away, lambda: experts(send[start:stop], counts[me]))
+        out = self._other_sources(rows, torch.cat([received_EL[:me], received_EL[me + 1:]]), experts)
+        back = all_to_all_rows(out, group, away, home)  # in the order sent, less this rank's own block
+        return combine_weighted(torch.cat([back[:start], out_mine, back[start:]]), plan, probs_TK)
+
+    @staticmethod
+    def _other_sources(rows: torch.Tensor, counts_SL: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        """The experts on rows from the other ranks, blocked [source][local expert]: sorted by local expert
+        for one grouped call (one source is sorted already), results in the order received."""
+        if counts_SL.shape[0] == 1:
+            return experts(rows, counts_SL[0].tolist())
+        order = torch.argsort(torch.cat([expert_ids(row) for row in counts_SL]), stable=True)
+        return experts(rows[order], counts_SL.sum(0).tolist())[torch.argsort(order)]
 
 
 class AllGatherDispatcher:

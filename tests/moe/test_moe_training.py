@@ -2,12 +2,13 @@
 
 Per-iteration loss and grad norm within 1e-5 relative of the one-process run: ep 2 and 4 (over dp); tp2 x ep2
 with sequence parallelism at etp 1 (selective recompute) and 2; ep2 x pp2 with 1F1B (gpt2: tied embeddings
-split over stages) and interleaved; ep2 x cp2 with p2p and a2a; ep x dp at ZeRO 1, 2 and 3, and ZeRO 1 with the
-optimizer offloaded; llama and gpt2; dropless, capacity and all-gather dispatch; hidden dropout at dp 1
-(cp2 x pp2 x ep2: dropout masks are equal across DP ranks by design, so only dp 1 can match one process);
-tp2 x ep2 x pp2 (8 ranks) at ZeRO 3 with full recompute; aux-loss-free expert biases (updated each step from
-counts reduced over all data) at tp2 x ep2 and ep4 ZeRO 3. Reruns of some layouts are bitwise equal; bf16 runs
-stay finite. The aux and z losses are on in every run, so their scaling is part of what must agree.
+split over stages) and interleaved; ep2 x cp2 with p2p and a2a, ep4 x cp4 hybrid (a2a+p2p); ep x dp at ZeRO
+1, 2 and 3, and ZeRO 1 with the optimizer offloaded; llama and gpt2; dropless, capacity and all-gather
+dispatch; hidden dropout at dp 1 (cp2 x pp2 x ep2: dropout masks are equal across DP ranks by design, so
+only dp 1 can match one process); tp2 x ep2 x pp2 (8 ranks) at ZeRO 3 with full recompute; aux-loss-free
+expert biases (updated each step from counts reduced over all data) at tp2 x ep2 and ep4 ZeRO 3. Reruns of
+some layouts are bitwise equal; bf16 runs stay finite. The aux and z losses are on in every run, so their
+scaling is part of what must agree.
 
 Each world trains all its layouts in one launch through the pieces pretrain_gpt.py uses
 (``tests/helpers/moe_runs.py``); the one-process references run once per distinct model config.
@@ -31,6 +32,7 @@ RUNS_4 = [
     MoERun("llama.ep2.pp2.interleaved", make_cfg(ep=2, pp=2, schedule="interleaved", vp=2, layers=4)),
     MoERun("llama.ep2.cp2.p2p", make_cfg(ep=2, cp=2)),
     MoERun("gpt2.ep2.cp2.a2a", make_cfg("gpt2", ep=2, cp=2, comm="a2a")),
+    MoERun("llama.ep4.cp4.hybrid", make_cfg(ep=4, cp=4, comm="a2a+p2p", parallel=dict(cp_a2a_size=2))),
     MoERun("llama.ep2.zero2.allgather", make_cfg(ep=2, zero=2, parallel=dict(moe_token_dispatcher_type="allgather"))),
     MoERun("llama.ep4.zero3.bias", make_cfg(ep=4, zero=3, model=BIAS)),
     MoERun("llama.ep2.zero1.offload", make_cfg(ep=2, zero=1, parallel=dict(offload_optimizer="cpu"))),

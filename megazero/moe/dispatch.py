@@ -96,11 +96,20 @@ def combine_weighted(out_AH: torch.Tensor, plan: Plan, probs_TK: torch.Tensor) -
     return y[:tokens].to(out_AH.dtype)
 
 
-def _without(rows: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """``rows`` less the block start:stop (a view when the block is at either end)."""
-    if start == 0 or stop == rows.shape[0]:
-        return rows[stop:] if start == 0 else rows[:start]
-    return torch.cat([rows[:start], rows[stop:]])
+class _SplitBlock(torch.autograd.Function):
+    """Forward: rows[start:stop] and the rest (a view when the block is at either end) / backward: the two
+    gradients put back in place with one copy (slicing twice would zero-fill and add two full-size ones)."""
+
+    @staticmethod
+    def forward(ctx, rows, start, stop):
+        ctx.start = start
+        rest = rows[stop:] if start == 0 else rows[:start] if stop == rows.shape[0] else \
+            torch.cat([rows[:start], rows[stop:]])
+        return rows[start:stop], rest
+
+    @staticmethod
+    def backward(ctx, grad_block, grad_rest):
+        return torch.cat([grad_rest[:ctx.start], grad_block, grad_rest[ctx.start:]]), None, None
 
 
 def _zero_at(splits: list[int], index: int) -> list[int]:
@@ -134,8 +143,9 @@ class AllToAllDispatcher:
         away, home = _zero_at(send_splits, me), _zero_at(received_EL.sum(1).tolist(), me)
         start = sum(send_splits[:me])
         stop, counts = start + send_splits[me], received_EL.tolist()
+        mine, others = _SplitBlock.apply(send, start, stop)
         rows, out_mine = all_to_all_rows_overlapped(  # [other source][local expert]
-            _without(send, start, stop), group, home, away, lambda: experts(send[start:stop], counts[me]))
+            others, group, home, away, lambda: experts(mine, counts[me]))
         out = self._other_sources(rows, torch.cat([received_EL[:me], received_EL[me + 1:]]), experts)
         back = all_to_all_rows(out, group, away, home)  # in the order sent, less this rank's own block
         return combine_weighted(torch.cat([back[:start], out_mine, back[start:]]), plan, probs_TK)

@@ -1,7 +1,8 @@
 """MoE balance records and aux-loss-free balancing, through ``pretrain_gpt.py`` runs of a tiny MoE GPT on CPU.
 
 - The force-balance router gives max/mean tokens per expert exactly 1 (imbalance 0) in the metrics file,
-  with the counts summed over both sequence-parallel ranks; the step's FLOPs are the active-parameter formula.
+  with the counts summed over both sequence-parallel ranks and each layer's row from its pipeline stage
+  (tp 2 x pp 2); the step's FLOPs are the active-parameter formula.
 - Full recompute routes the same tokens and counts them once: per-layer counts and loss values equal a run
   without it (dp 2: the counts cover both replicas' tokens).
 - A router skewed toward two experts (+1.0 on their choice scores, written into a checkpoint's expert bias:
@@ -12,7 +13,6 @@ from __future__ import annotations
 import glob
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from megazero.arguments import parse_config
@@ -46,16 +46,16 @@ def _counts(record: dict) -> dict[str, list[int]]:
 
 def test_force_balance_records_exact_balance_and_active_flops(tmp_path) -> None:
     args = [*SMALL, "--global-batch-size", "8", "--train-iters", "2", "--tp", "2", "--sequence-parallel",
-            "--moe-router-force-balance"]
-    records = train_records(tmp_path / "fb.jsonl", args, 2)
+            "--pp", "2", "--moe-router-force-balance"]
+    records = train_records(tmp_path / "fb.jsonl", args, 4)
     assignments = 8 * 64 * TOPK  # the global batch's tokens, k experts each
     for r in records:
         assert r["moe_imbalance"] == 0.0
         for layer in ("0", "1"):
             counts = r["moe_layers"][layer]["tokens_per_expert"]
-            assert counts == [assignments // EXPERTS] * EXPERTS  # both TP ranks' halves of the sequence
+            assert counts == [assignments // EXPERTS] * EXPERTS  # both TP ranks' halves, from both stages
             assert max(counts) / (sum(counts) / EXPERTS) == 1.0
-    _check_flops(records, tmp_path, 2)
+    _check_flops(records, tmp_path, 4)
 
 
 def test_full_recompute_counts_tokens_once(tmp_path) -> None:
@@ -102,4 +102,4 @@ def test_expert_bias_balances_a_skewed_router(tmp_path) -> None:
     first, last = records[0], records[-1]
     assert first["moe_imbalance"] > 0.8, f"the skew must route most tokens to experts 0 and 1: {_counts(first)}"
     assert last["moe_imbalance"] <= 0.15, [round(r["moe_imbalance"], 3) for r in records[-20:]]
-    assert torch.tensor(list(_counts(last).values())).sum() == 2 * 16 * 128 * TOPK
+    assert all(sum(c) == 16 * 128 * TOPK for c in _counts(last).values())

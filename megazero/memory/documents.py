@@ -3,17 +3,18 @@
 The lengths of the packed documents are known only once data is read, so a plan assumes every
 sample cut into documents of ``--plan-document-length`` L tokens (the last one shorter when L does
 not divide S); without it, L = S: one document per sample, the upper bound of every figure below
-(plain causal attention's, but for the flash kernel's second output copy). From that sample:
+(plain causal attention's). From that sample:
 
     attention work   the attention core's FLOPs scale by the attended share, sum_d L_d (L_d + 1) / 2 over
                      S (S + 1) / 2 (``model.documents.attended_share``, the trainer's formula); under the
                      ring each rank computes its own queries' pairs, and the slowest rank sets the step
     math kernel      one call per document keeps its softmax, mask and dropped scores: 3 b n sum_d L_d^2 e / t
                      instead of 3 b n S^2 e / t (measured: ``tests/memory/test_document_plan.py``)
-    flash kernel     per-document calls keep their outputs and the concatenated output beside them: the
-                     output twice, as GQA already does (measured, same test)
-    context parallel the ring's and the all-to-all's cores keep the same bytes and exchange the same K/V
-                     (measured, same test; a block a rank skips still travels on to the next)
+    flash kernel     the per-document calls write into one output: the bytes of causal attention
+                     (measured, same test)
+    context parallel the ring's and the all-to-all's cores keep the same bytes (measured, same test); the
+                     step-time model charges the ring's unmasked K/V exchange, an upper bound (the ring sends
+                     only the rows some rank ahead uses)
 """
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ it ranks layouts rather than predicting wall time to the percent):
               ring cost 2 (tp-1)/tp x bytes / intra-node bandwidth
             + CP, per block (``cp_seconds``), with kv = 2 s_l b g/t d e (this rank's K and V):
               p2p: (cp-1) K/V sends forward, (cp-1) K/V and cp fp32 dK/dV backward, the
-              forward's again with recompute (the same under a document mask: K/V a rank
-              skips still travel on); a2a: 4 all-to-alls forward and 4 backward of
+              forward's again with recompute (also under a document mask: an upper bound, the
+              ring then sends only the rows a rank ahead uses); a2a: 4 all-to-alls forward and 4 backward of
               (cp-1)/cp of the local q, k, v, out (8 more with recompute); a2a+p2p: both, over
               U and cp/U ranks; intra-node bandwidth when tp x cp fits in a node
             + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth

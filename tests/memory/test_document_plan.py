@@ -7,8 +7,8 @@ of L (``--plan-document-length``): serial gpt2 and llama, flash (no dropout) and
 world the ring and the all-to-all (their cores keep the same bytes under the mask). Within 1%
 (measured: to 16 bytes); the plan without the mask misses the math kernel's by more than 10%.
 
-Formula: the math kernel's scores term is 3 b n sum_d L_d^2 e / t per layer, the flash kernel keeps the
-output twice; the step-time model's compute scales the attention core by the attended share, here
+Formula: the math kernel's scores term is 3 b n sum_d L_d^2 e / t per layer, the flash kernel's bytes are
+causal attention's; the step-time model's compute scales the attention core by the attended share, here
 counted from the block-diagonal causal mask itself (whole sequence, and the busiest rank of the ring).
 The planner's output says the documents it assumed; the flag alone is refused in one line.
 """

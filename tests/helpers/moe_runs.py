@@ -60,9 +60,14 @@ def records(result: dict[str, Any]) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in result["records"]]
 
 
-def _has_routers(chunks: list[torch.nn.Module], optimizer: Any, pstate: ParallelState) -> None:
-    """Every stage of these tiny models is MoE: a run that built dense layers is not testing anything."""
-    assert all(routers_of(chunk) for chunk in chunks), "the MoE flags built no router"
+def _routers_where_configured(cfg: Config):
+    """A ``train`` hook: a chunk holds routers exactly when one of its layers is MoE (a run that built dense
+    layers only would test nothing)."""
+    def check(chunks: list[torch.nn.Module], optimizer: Any, pstate: ParallelState) -> None:
+        for chunk in chunks:
+            moe = any(cfg.model.is_moe_layer(layer) for layer in chunk.layer_ids)
+            assert bool(routers_of(chunk)) == moe, f"layers {chunk.layer_ids}: MoE {moe}, routers {routers_of(chunk)}"
+    return check
 
 
 def run_many(pstate: ParallelState, runs: list[MoERun]) -> dict[str, list[list[tuple[float, float]]]]:
@@ -73,8 +78,8 @@ def run_many(pstate: ParallelState, runs: list[MoERun]) -> dict[str, list[list[t
         layout = layout_of(run.cfg, pstate.layout.world_size)
         if layout not in states:
             states[layout] = ParallelState.build(layout, "cpu", cp_a2a=run.cfg.parallel.cp_a2a)
-        times = 2 if run.rerun else 1
-        out[run.key] = [records(train(states[layout], run.cfg, hook=_has_routers)) for _ in range(times)]
+        hook = _routers_where_configured(run.cfg)
+        out[run.key] = [records(train(states[layout], run.cfg, hook=hook)) for _ in range(2 if run.rerun else 1)]
     return out
 
 

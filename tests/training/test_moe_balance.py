@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from megazero.arguments import parse_config
 from megazero.model.flops import flops_per_token
+from megazero.training.metrics import format_moe
 from tests.helpers.launch import train_records
 
 EXPERTS, TOPK = 4, 2
@@ -103,3 +104,9 @@ def test_expert_bias_balances_a_skewed_router(tmp_path) -> None:
     assert first["moe_imbalance"] > 0.8, f"the skew must route most tokens to experts 0 and 1: {_counts(first)}"
     assert last["moe_imbalance"] <= 0.15, [round(r["moe_imbalance"], 3) for r in records[-20:]]
     assert all(sum(c) == 16 * 128 * TOPK for c in _counts(last).values())
+
+
+def test_log_line_shows_losses_and_the_worst_layer():
+    record = {"moe_aux_loss": 1.0025, "moe_z_loss": 4.3125, "moe_imbalance": 0.046875, "moe_imbalance_layer": 1}
+    assert format_moe(record) == "moe aux 1.002E+00 z 4.312E+00 imbalance 0.047 (layer 1)"
+    assert format_moe({"moe_imbalance": 0.0, "moe_imbalance_layer": 0}) == "moe imbalance 0.000 (layer 0)"

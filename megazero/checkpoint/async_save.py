@@ -79,15 +79,15 @@ def _model_copies(named: dict[str, nn.Parameter], optimizer: ShardedOptimizerSta
 def take_snapshot(target: S.SaveTarget, ctx: S.CheckpointContext, buffers: HostBuffers) -> Snapshot:
     """Everything this rank writes, copied to the host now (the only part of a save that blocks the step)."""
     named, pstate = S.named_parameters(ctx.chunks), ctx.pstate
-    writes_model = pstate.dp_cp_rank == 0  # as save_checkpoint: one copy of each (tp, pp) slice
+    writes_model = S.writes_any(pstate)  # as save_checkpoint: one copy of each region (placement.py)
     weights = _model_copies(named, ctx.optimizer, buffers, writes_model, gathers=ctx.plan.zero.shards_parameters)
-    files, optim_info = S.rank_files(named, weights, ctx.optimizer, pstate, ctx.tp_rng,
+    files, optim_info = S.rank_files(ctx.chunks, weights, ctx.optimizer, pstate, ctx.tp_rng,
                                      lambda key, view: buffers.copy(f"optim/{key}", view, torch.float32))
     if buffers.pin:  # one sync for every non-blocking copy above
         event = torch.cuda.Event()
         event.record()
         event.synchronize()
-    index = S.model_index(named, pstate) if writes_model else {}
+    index = S.model_index(ctx.chunks, pstate)
     return Snapshot(target, files, index, optim_info)
 
 

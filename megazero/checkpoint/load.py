@@ -1,9 +1,10 @@
 """Load a checkpoint into any valid layout of the same model, reading only the slices needed.
 
-Model weights load *before* the optimizer is built (its fp32 master copy is
-taken from the loaded weights); optimizer state loads after, piece by piece:
-for each flat range of a TP-local parameter this rank updates, the saved
-pieces that overlap it are read from whichever (tp, dp) shards hold them.
+Model weights (and persistent buffers: the MoE router's ``expert_bias``) load
+*before* the optimizer is built (its fp32 master copy is taken from the loaded
+weights); optimizer state loads after, piece by piece: for each flat range of
+this rank's region of a parameter (a TP shard, or an expert shard), the saved
+regions that overlap it are assembled from whichever shards hold them.
 Nothing here unpickles: safetensors and JSON only.
 """
 from __future__ import annotations
@@ -22,10 +23,12 @@ from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
-from ..tensor_parallel.layers import full_shape, spec_of
+from ..tensor_parallel.layers import spec_of
 from . import rng_streams, storage
-from .save import KINDS, named_parameters
-from .slices import Region, intersect, relative, tp_region
+from .placement import model_tensors, named_parameters, region_of
+from .save import KINDS
+from .slices import Region, intersect, relative
+from .validate import saved_pieces
 
 # ModelConfig fields that do not define the saved weights: free to differ from the checkpoint
 # (the vocabulary padding is refitted on load, like the layout).
@@ -104,6 +107,8 @@ def _meaning(values: dict[str, Any], key: str) -> Any:
 
 
 def _shown(value: Any, meaning: Any, key: str) -> str:
+    if key == "num_experts" and value is None:
+        return "dense model (no --num-experts)"
     return f"{value}" if value == meaning else f"{value} (i.e. {RESOLVED[key]} {meaning})"
 
 
@@ -154,18 +159,33 @@ def load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Module
     agree(pstate, _load_model_weights, folder, meta, chunks, pstate)
 
 
+def _experts(num: int | None) -> str:
+    return "a dense model without --num-experts" if num is None else f"--num-experts {num}"
+
+
+def _check_experts(folder: str, meta: dict[str, Any], tensors: dict[str, torch.Tensor], pstate: ParallelState) -> None:
+    """A dense checkpoint into an MoE model, or another number of experts: one line before any tensor is read.
+    (An MoE checkpoint into a dense model lacks the dense MLP's tensors: the loop below names one.)"""
+    saved = meta["config"].get("num_experts")
+    mine = next((t.shape[0] * pstate.ep for t in tensors.values() if spec_of(t).expert), None)
+    if mine is not None and mine != saved:
+        raise ValueError(f"checkpoint {folder!r} holds {_experts(saved)}, but this model has {_experts(mine)}; "
+                         f"drop --num-experts to take the checkpoint's model, or load a checkpoint of this one.")
+
+
 def _load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Module], pstate: ParallelState) -> None:
-    reader, index = ShardReader(folder), meta["model"]
-    for name, p in named_parameters(chunks).items():
+    reader, index, tensors = ShardReader(folder), meta["model"], model_tensors(chunks)
+    _check_experts(folder, meta, tensors, pstate)
+    for name, p in tensors.items():
         entry = index.get(name)
         if entry is None:
-            raise ValueError(f"checkpoint has no tensor {name!r}; it was saved from a different architecture.")
-        shape = list(full_shape(p, pstate.tp))
+            raise ValueError(f"checkpoint has no tensor {name!r}; it was saved from a different architecture "
+                             f"(it holds {_experts(meta['config'].get('num_experts'))}).")
+        shape, target = region_of(p, pstate)
         padded = spec_of(p).valid_rows is not None
         if entry["shape"] != shape and not (padded and entry["shape"][1:] == shape[1:]):
             raise ValueError(f"checkpoint tensor {name!r} has shape {entry['shape']}, this model needs {shape}; "
                              f"it was saved from a model of a different size.")
-        target = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp)
         local = torch.zeros(_size(target), dtype=torch.float32)
         for fname, region in entry["files"].items():
             overlap = intersect(target, [tuple(r) for r in region])
@@ -176,17 +196,15 @@ def _load_model_weights(folder: str, meta: dict[str, Any], chunks: list[nn.Modul
             p.copy_(local.to(p.device, p.dtype))
 
 
-def _saved_local(reader: ShardReader, meta: dict, name: str, kind: str, tp_rank: int, region: Region):
-    """The saved TP-local tensor of rank ``tp_rank`` for ``name``, assembled from its DP pieces."""
+def _saved_region(reader: ShardReader, name: str, kind: str, region: Region, pieces: list[tuple[str, int, int]]):
+    """One saved region of ``name``'s state (a TP shard or an expert shard), assembled from its DP pieces."""
     flat = torch.zeros(_size(region), dtype=torch.float32).view(-1)
-    for fname, info in meta["optimizer"]["files"].items():
-        rng = info["ranges"].get(name)
-        if info["tp_rank"] == tp_rank and rng is not None:
-            piece = reader.read(fname, f"{name}/{kind}", [rng[1] - rng[0]])
-            if kind == "exp_avg_sq" and bool((piece < 0).any()):
-                raise ValueError(f"checkpoint shard {os.path.join(reader.folder, fname)!r} holds negative "
-                                 f"second moments in {name!r}; the checkpoint is damaged - load an earlier one.")
-            flat[rng[0]: rng[1]] = piece
+    for fname, lo, hi in pieces:
+        piece = reader.read(fname, f"{name}/{kind}", [hi - lo])
+        if kind == "exp_avg_sq" and bool((piece < 0).any()):
+            raise ValueError(f"checkpoint shard {os.path.join(reader.folder, fname)!r} holds negative "
+                             f"second moments in {name!r}; the checkpoint is damaged - load an earlier one.")
+        flat[lo:hi] = piece
     return flat.view(_size(region))
 
 
@@ -202,22 +220,23 @@ def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOp
 
 def _load_pieces(folder: str, meta: dict[str, Any], optimizer: ShardedOptimizerState,
                  chunks: list[nn.Module], pstate: ParallelState) -> None:
-    reader, saved_tp = ShardReader(folder), meta["layout"]["tp"]
+    reader = ShardReader(folder)
     names = {id(p): n for n, p in named_parameters(chunks).items()}
     for param, param_lo, views in optimizer.state_segments():
         name = names[id(param)]
-        entry = meta["model"][name]
-        shape = list(full_shape(param, pstate.tp))
-        target = tp_region(shape, spec_of(param).split_dim, pstate.tp_rank, pstate.tp)
+        target = region_of(param, pstate)[1]
+        # one copy of each saved region (a dense tensor replicated over TP was saved by each TP rank)
+        regions: dict[tuple, list[tuple[str, int, int]]] = {}
+        for (region, _), pieces in saved_pieces(meta, name).items():
+            regions.setdefault(region, pieces)
         n = views["exp_avg"].numel()
         for kind in KINDS:
             local = torch.zeros(_size(target), dtype=torch.float32)
-            for s in range(saved_tp):
-                region = tp_region(entry["shape"], entry["split_dim"], s, saved_tp)
-                overlap = intersect(target, region)
+            for region, pieces in regions.items():
+                overlap = intersect(target, list(region))
                 if overlap is not None:
-                    saved = _saved_local(reader, meta, name, kind, s, region)
-                    local[relative(overlap, target)] = saved[relative(overlap, region)]
+                    saved = _saved_region(reader, name, kind, list(region), pieces)
+                    local[relative(overlap, target)] = saved[relative(overlap, list(region))]
             with torch.no_grad():
                 views[kind].copy_(local.view(-1)[param_lo: param_lo + n].to(views[kind].device))
 

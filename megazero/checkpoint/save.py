@@ -1,11 +1,15 @@
 """Sharded checkpoint save: every rank writes only what it owns, in parallel, as safetensors.
 
 - model weights: one file per (tp, pp) rank, written by DP rank 0, under the
-  canonical (TP- and PP-independent) parameter names;
+  canonical (TP- and PP-independent) parameter names, with the persistent
+  buffers (the MoE router's ``expert_bias``); MoE expert weights one file per
+  (etp, ep, pp) rank of the expert grid, written by expert-DP rank 0, as
+  regions of the full [E, ...] tensor (``placement.py``);
 - optimizer state: one file per (tp, pp, dp) shard with, for each parameter
   piece this rank updates, its fp32 master weights and Adam moments; the
-  piece is a flat range of the TP-local parameter (ZeRO 0 keeps full state on
-  every DP rank, so only DP rank 0 writes it);
+  piece is a flat range of the rank's region of the parameter (ZeRO 0 keeps
+  full state on every DP rank, so only the rank that writes the weight
+  writes it);
 - RNG states: one small file per rank (exact resume in the same layout);
 - every file is fsynced before the vote, so what rank 0 publishes is on disk;
 - metadata.json (rank 0, last): config, layout, iteration, consumed samples,
@@ -36,21 +40,11 @@ from ..parallel import collectives as C
 from ..optimizer.protocol import ShardedOptimizerState
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
-from ..tensor_parallel.layers import full_shape, spec_of
+from ..tensor_parallel.layers import spec_of
 from . import storage
-from .slices import tp_region
+from .placement import model_tensors, named_parameters, region_of, weight_file, writes, writes_any
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def named_parameters(chunks: list[nn.Module]) -> dict[str, nn.Parameter]:
-    """Canonical name -> parameter over all of this rank's chunks (names are unique per rank)."""
-    named: dict[str, nn.Parameter] = {}
-    for chunk in chunks:
-        for name, p in chunk.named_parameters():
-            assert name not in named, f"parameter {name} appears in two chunks of one rank"
-            named[name] = p
-    return named
 
 
 def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
@@ -63,15 +57,17 @@ def rng_state(pstate: ParallelState, tp_rng: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def model_index(named: dict[str, nn.Parameter], pstate: ParallelState) -> dict[str, Any]:
-    """What metadata.json records of this rank's weights: full shape, TP split, region and file of each."""
+def model_index(chunks: list[nn.Module], pstate: ParallelState) -> dict[str, Any]:
+    """What metadata.json records of the tensors this rank writes: full shape, split, region and file of each."""
     index = {}
-    for name, p in named.items():
-        shape = list(full_shape(p, pstate.tp))
-        region = tp_region(shape, spec_of(p).split_dim, pstate.tp_rank, pstate.tp)
-        index[name] = {"shape": shape, "split_dim": spec_of(p).split_dim, "dtype": str(p.dtype).replace("torch.", ""),
-                       "padded_rows": spec_of(p).valid_rows is not None,
-                       "file": storage.model_file(pstate.tp_rank, pstate.pp_rank), "region": region}
+    for name, t in model_tensors(chunks).items():
+        if writes(t, pstate):
+            shape, region = region_of(t, pstate)
+            spec = spec_of(t)
+            index[name] = {"shape": shape, "split_dim": spec.split_dim, "dtype": str(t.dtype).replace("torch.", ""),
+                           "padded_rows": spec.valid_rows is not None, "expert": spec.expert,
+                           "buffer": not isinstance(t, nn.Parameter),  # no optimizer state
+                           "file": weight_file(t, pstate), "region": region}
     return index
 
 
@@ -83,36 +79,51 @@ def non_finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [name for name, ok in zip(tensors, finite) if not ok]
 
 
-def optimizer_tensors(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter],
+def optimizer_tensors(optimizer: ShardedOptimizerState, named: dict[str, nn.Parameter], pstate: ParallelState,
                       take: Callable[[str, torch.Tensor], torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """This rank's master weights and moments as ``<param>/<kind>`` -> ``take(key, view)`` (a copy made now:
-    under disk offload the views move on), and each parameter's [lo, hi) range in its flat shard."""
+    """The master weights and moments this rank writes as ``<param>/<kind>`` -> ``take(key, view)`` (a copy
+    made now: under disk offload the views move on), and the file's index entries: each parameter's [lo, hi)
+    range in its flat region and, for an expert weight, that region (a dense one's follows from the TP rank).
+    ZeRO 1-3: each rank's own shard; ZeRO 0: one copy, from the rank that writes the weight."""
     names = {id(p): n for n, p in named.items()}
-    tensors, ranges = {}, {}
+    tensors, ranges, regions = {}, {}, {}
     for param, param_lo, views in optimizer.state_segments():
+        if not (optimizer.shards_state_over_dp or writes(param, pstate)):
+            continue
         name = names[id(param)]
         ranges[name] = [param_lo, param_lo + views["exp_avg"].numel()]
+        if spec_of(param).expert:
+            regions[name] = region_of(param, pstate)[1]
         for kind in KINDS:
             key = f"{name}/{kind}"
             tensors[key] = take(key, views[kind].detach())
-    return tensors, ranges
+    return tensors, {"ranges": ranges, "regions": regions}
 
 
-def rank_files(named: dict[str, nn.Parameter], weights: dict[str, torch.Tensor], optimizer: ShardedOptimizerState,
+def model_files(chunks: list[nn.Module], weights: dict[str, torch.Tensor], pstate: ParallelState
+                ) -> dict[str, dict[str, torch.Tensor]]:
+    """File name -> the model tensors this rank writes into it: host copies of its parameters (``weights``,
+    by name) and of its persistent buffers, taken now."""
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in model_tensors(chunks).items():
+        if writes(t, pstate):
+            copy = weights[name] if isinstance(t, nn.Parameter) else t.detach().to("cpu", copy=True)
+            files.setdefault(weight_file(t, pstate), {})[name] = copy
+    return files
+
+
+def rank_files(chunks: list[nn.Module], weights: dict[str, torch.Tensor], optimizer: ShardedOptimizerState,
                pstate: ParallelState, tp_rng: Any, take: Callable[[str, torch.Tensor], torch.Tensor]
                ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any] | None]:
     """Every file this rank owns (file name -> tensors) and its optimizer index entry, for a synchronous
-    save and an --async-save alike. ``weights``: the model copies, when this rank writes the model."""
-    files: dict[str, dict[str, torch.Tensor]] = {}
-    writes_model = pstate.dp_cp_rank == 0  # one copy of each (tp, pp) slice: DP and CP ranks hold the same
-    if writes_model:
-        files[storage.model_file(pstate.tp_rank, pstate.pp_rank)] = weights
+    save and an --async-save alike. ``weights``: the parameters' host copies by name, when ``writes_any``."""
+    files = model_files(chunks, weights, pstate)
+    tensors, index = optimizer_tensors(optimizer, named_parameters(chunks), pstate, take)
     optim_info = None
-    if writes_model or optimizer.shards_state_over_dp:
-        tensors, ranges = optimizer_tensors(optimizer, named, take)
-        fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # its shard of dp x cp
+    if tensors:
+        fname = storage.optim_file(pstate.tp_rank, pstate.pp_rank, pstate.dp_cp_rank)  # one per rank
         files[fname] = tensors
-        optim_info = {"file": fname, "tp_rank": pstate.tp_rank, "ranges": ranges}
+        optim_info = {"file": fname, "tp_rank": pstate.tp_rank, **index}
     files[storage.rng_file(pstate.rank)] = {k: t.clone() for k, t in rng_state(pstate, tp_rng).items()}
     return files, optim_info
 
@@ -199,20 +210,18 @@ def _refuse(pieces: list[dict], target: SaveTarget, pstate: ParallelState, own: 
                      f"(e.g. with a lower --lr).")
 
 
-def _write_rank(staging: str, named: dict[str, nn.Parameter], copies: dict, optimizer: ShardedOptimizerState,
+def _write_rank(staging: str, chunks: list[nn.Module], copies: dict, optimizer: ShardedOptimizerState,
                 pstate: ParallelState, tp_rng: Any) -> dict[str, Any]:
     """Every file this rank owns, into ``staging``; its index entries and the names holding NaN/inf."""
-    writes_model = pstate.dp_cp_rank == 0
-    weights = {n: copies[p] for n, p in named.items()} if writes_model else {}
+    weights = {n: copies[p] for n, p in named_parameters(chunks).items()} if copies else {}
     transient = optimizer.state_views_transient  # disk offload reuses its buffers
 
     def take(key: str, view: torch.Tensor) -> torch.Tensor:
         return (view.clone() if transient else view).float().contiguous().cpu()
 
-    files, optim_info = rank_files(named, weights, optimizer, pstate, tp_rng, take)
+    files, optim_info = rank_files(chunks, weights, optimizer, pstate, tp_rng, take)
     bad = write_files(staging, files)
-    return {"model": model_index(named, pstate) if writes_model else {}, "optim": optim_info,
-            "non_finite": bad, "error": None}
+    return {"model": model_index(chunks, pstate), "optim": optim_info, "non_finite": bad, "error": None}
 
 
 def _loaded(cfg: Config, root: str, loaded: str | None) -> tuple[str, ...]:
@@ -276,10 +285,10 @@ def save_checkpoint(ctx: CheckpointContext, iteration: int, consumed_samples: in
     """
     pstate = ctx.pstate
     target = start_save(ctx.root, iteration, consumed_samples, ctx.optimizer, pstate)
-    named, own = named_parameters(ctx.chunks), None
-    copies = ctx.optimizer.host_copies(keep=pstate.dp_cp_rank == 0)  # every DP/CP rank takes part (ZeRO 3 gathers)
+    own = None
+    copies = ctx.optimizer.host_copies(keep=writes_any(pstate))  # every DP/CP rank takes part (ZeRO 3 gathers)
     try:
-        mine = _write_rank(target.staging, named, copies, ctx.optimizer, pstate, ctx.tp_rng)
+        mine = _write_rank(target.staging, ctx.chunks, copies, ctx.optimizer, pstate, ctx.tp_rng)
     except Exception as err:  # noqa: BLE001 - reported to every rank in the all-gather below
         own, mine = err, failed_piece(err, target)
     del copies
@@ -338,11 +347,13 @@ def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int,
     model: dict[str, Any] = {}
     for piece in pieces:
         for name, entry in piece["model"].items():
-            slot = model.setdefault(name, {k: entry[k] for k in ("shape", "split_dim", "dtype", "padded_rows")})
+            slot = model.setdefault(name, {k: entry[k] for k in ("shape", "split_dim", "dtype", "padded_rows",
+                                                                 "expert", "buffer")})
             slot.setdefault("files", {})[entry["file"]] = entry["region"]
-    optim_files = {p["optim"]["file"]: {"tp_rank": p["optim"]["tp_rank"], "ranges": p["optim"]["ranges"]}
+    optim_files = {p["optim"]["file"]: {k: v for k, v in p["optim"].items() if k != "file"}
                    for p in pieces if p["optim"] is not None}
+    layout = {**plan.layout_record(), "ep": plan.layout.ep, "etp": plan.layout.expert_tp}
     return storage.metadata_dict(
         config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
-        layout=plan.layout_record(), optimizer_scalars=scalars, optimizer_files=optim_files,
+        layout=layout, optimizer_scalars=scalars, optimizer_files=optim_files,
         rng_files=True)

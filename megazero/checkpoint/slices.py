@@ -2,9 +2,11 @@
 
 A region is a list of per-dim ``(start, stop)`` in full-tensor coordinates.
 A TP shard of a tensor split along ``split_dim`` over ``tp`` ranks is the
-rank's equal chunk of that dim. Loading into another layout intersects the
-region a rank needs with the regions the saved files hold and copies only
-the overlaps, so no rank ever assembles the full model.
+rank's equal chunk of that dim; an expert shard is a run of experts along
+dim 0 (by global expert id) and an etp chunk of ``split_dim``. Loading into
+another layout intersects the region a rank needs with the regions the saved
+files hold and copies only the overlaps, so no rank ever assembles the full
+model.
 
 Vocabulary padding makes the *full* shape of embedding-like tensors depend
 on the TP size; rows past the real vocabulary are zero, so overlaps are
@@ -23,6 +25,15 @@ def tp_region(full_shape: list[int] | tuple[int, ...], split_dim: int | None, tp
     return region
 
 
+def expert_region(full_shape: list[int] | tuple[int, ...], split_dim: int | None, first_expert: int,
+                  local_experts: int, etp_rank: int, etp: int) -> Region:
+    """The part of a full [E, ...] expert tensor one rank holds: experts [first, first + local) by global id,
+    and its etp slice along ``split_dim``."""
+    region = tp_region(full_shape, split_dim, etp_rank, etp)
+    region[0] = (first_expert, first_expert + local_experts)
+    return region
+
+
 def intersect(a: Region, b: Region) -> Region | None:
     out = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b)]
     return out if all(lo < hi for lo, hi in out) else None
@@ -31,7 +42,6 @@ def intersect(a: Region, b: Region) -> Region | None:
 def relative(inner: Region, outer: Region) -> tuple[slice, ...]:
     """``inner`` (inside ``outer``) as slices into a tensor holding ``outer``."""
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(inner, outer))
-
 
 
 def volume(region: Region) -> int:

@@ -3,6 +3,7 @@
     DIR/latest                      "iter_0000010" - written last, by rename
     DIR/iter_0000010/metadata.json  config, layout, iteration, tensor index (written last inside)
     DIR/iter_0000010/model_tp00_pp00.safetensors
+    DIR/iter_0000010/experts_etp00_ep01_pp00.safetensors   (MoE expert weights, by expert-grid rank)
     DIR/iter_0000010/optim_tp00_pp00_dp01.safetensors
     DIR/iter_0000010/rng_rank00003.safetensors
 
@@ -38,6 +39,10 @@ def iteration_dir(iteration: int) -> str:
 
 def model_file(tp_rank: int, pp_rank: int) -> str:
     return f"model_tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors"
+
+
+def expert_file(etp_rank: int, ep_rank: int, pp_rank: int) -> str:
+    return f"experts_etp{etp_rank:02d}_ep{ep_rank:02d}_pp{pp_rank:02d}.safetensors"
 
 
 def optim_file(tp_rank: int, pp_rank: int, dp_rank: int) -> str:

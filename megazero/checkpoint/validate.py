@@ -4,9 +4,10 @@ Every rank reads the metadata before any collective (``storage.read_metadata``),
 damaged or edited file fails on every rank with the same one line, naming the file:
 a missing key or a value of the wrong type, a scalar out of range (a negative step,
 a loss scale <= 0, a NaN), or an index whose pieces do not cover every tensor exactly
-once - a model tensor over its (tp, pp) files, an optimizer tensor's flat range over
-the (tp, pp, dp) shards of each saved TP rank. A gap would load as zeros, an overlap
-as whichever piece is read last; neither may load silently.
+once - a model tensor over its files' regions, an optimizer tensor's saved regions over
+its full shape and each region's flat range over the shards that hold pieces of it.
+A gap would load as zeros, an overlap as whichever piece is read last; neither may
+load silently.
 """
 from __future__ import annotations
 
@@ -73,6 +74,9 @@ def _model(meta: dict[str, Any]) -> dict[str, Any]:
         if _get(entry, "dtype", str, f"{what} 'dtype'") not in STORED_DTYPES:
             raise Bad(f"{what} has dtype {entry['dtype']!r}, not one of {sorted(STORED_DTYPES)}")
         _get(entry, "padded_rows", bool, f"{what} 'padded_rows'")
+        for key in ("expert", "buffer"):  # absent before MoE (and from converters): a dense parameter
+            if key in entry:
+                _get(entry, key, bool, f"{what} '{key}'")
         files = _get(entry, "files", dict, f"{what} 'files'")
         for fname in files:
             _file_name(fname, f"{what} 'files'")
@@ -83,8 +87,50 @@ def _model(meta: dict[str, Any]) -> dict[str, Any]:
     return model
 
 
+SavedPieces = dict[tuple[tuple[tuple[int, int], ...], int | None], list[tuple[str, int, int]]]
+
+
+def saved_pieces(meta: dict[str, Any], name: str) -> SavedPieces:
+    """The saved optimizer state of model tensor ``name``: (region, copy) -> its [(file, lo, hi)] pieces.
+
+    A region is the part of the full tensor a flat range indexes into: the file's recorded ``regions``
+    entry (an expert shard), else the TP shard of the file's ``tp_rank``. ``copy`` tells replicas apart:
+    a dense tensor's TP rank (each TP rank saved its own copy of a replicated one); None for an expert
+    tensor, whose region alone names the rank that owns it.
+    """
+    entry, tp = meta["model"][name], meta["layout"]["tp"]
+    out: SavedPieces = {}
+    for fname, info in meta["optimizer"]["files"].items():
+        rng = info["ranges"].get(name)
+        if rng is None:
+            continue
+        region = info.get("regions", {}).get(name) or tp_region(entry["shape"], entry["split_dim"],
+                                                                 info["tp_rank"], tp)
+        key = (tuple((lo, hi) for lo, hi in region), None if entry.get("expert") else info["tp_rank"])
+        out.setdefault(key, []).append((fname, rng[0], rng[1]))
+    return out
+
+
+def _optimizer_entries(files: dict[str, Any], model: dict[str, Any], tp: int) -> None:
+    """Each optimizer file's entry is well formed: its TP rank, and a range (and maybe a region) per tensor."""
+    for fname, info in files.items():
+        _file_name(fname, "'optimizer.files'")
+        _int(_get(info, "tp_rank", int, f"optimizer file {fname!r} 'tp_rank'"),
+             f"optimizer file {fname!r} 'tp_rank'", 0, tp - 1)
+        regions = info.get("regions", {})
+        if not isinstance(regions, dict):
+            raise Bad(f"optimizer file {fname!r} 'regions' is {regions!r}, not a dict")
+        for name, rng in _get(info, "ranges", dict, f"optimizer file {fname!r} 'ranges'").items():
+            if name not in model:
+                raise Bad(f"optimizer file {fname!r} holds state for {name!r}, which is not a model tensor")
+            _region([rng], 1, f"range of {name!r} in {fname!r}")
+            if name in regions:
+                _region(regions[name], len(model[name]["shape"]), f"region of {name!r} in {fname!r}")
+
+
 def _optimizer_files(meta: dict[str, Any], model: dict[str, Any], tp: int) -> None:
-    """Every tensor's master weights and moments: the saved shards of each TP rank tile its flat range."""
+    """Every tensor's master weights and moments: its saved regions tile the full tensor, and the saved
+    pieces of each region tile its flat range."""
     optimizer = _get(meta, "optimizer", dict, "'optimizer'")
     files = _get(optimizer, "files", dict, "'optimizer.files'")
     if not files:  # a converted checkpoint: no optimizer state (nor step, nor RNG files), Adam starts fresh
@@ -92,22 +138,22 @@ def _optimizer_files(meta: dict[str, Any], model: dict[str, Any], tp: int) -> No
             raise Bad("'optimizer.files' is empty, but the checkpoint was saved by training (it has optimizer "
                       "scalars or RNG files): its optimizer state would load as fresh")
         return
-    pieces: dict[tuple[str, int], list[Region]] = {}
-    for fname, info in files.items():
-        _file_name(fname, "'optimizer.files'")
-        rank = _int(_get(info, "tp_rank", int, f"optimizer file {fname!r} 'tp_rank'"),
-                    f"optimizer file {fname!r} 'tp_rank'", 0, tp - 1)
-        for name, rng in _get(info, "ranges", dict, f"optimizer file {fname!r} 'ranges'").items():
-            if name not in model:
-                raise Bad(f"optimizer file {fname!r} holds state for {name!r}, which is not a model tensor")
-            pieces.setdefault((name, rank), []).append(_region([rng], 1, f"range of {name!r} in {fname!r}"))
+    _optimizer_entries(files, model, tp)
     for name, entry in model.items():
-        for rank in range(tp):
-            numel = volume(tp_region(entry["shape"], entry["split_dim"], rank, tp))
-            got = pieces.get((name, rank), [])
-            problem = cover_problem(got, [(0, numel)]) if got else "no optimizer file holds it"
+        if entry.get("buffer"):
+            continue  # a buffer (the router's expert bias) has no optimizer state
+        groups = saved_pieces(meta, name)
+        full = [(0, n) for n in entry["shape"]]
+        problem = cover_problem([list(region) for region, _ in groups], full) if groups else \
+            "no optimizer file holds it"
+        if problem:
+            raise Bad(f"optimizer state of {name!r} (shape {entry['shape']}): {problem}")
+        for (region, copy), pieces in groups.items():
+            numel = volume(list(region))
+            problem = cover_problem([[(lo, hi)] for _, lo, hi in pieces], [(0, numel)])
             if problem:
-                raise Bad(f"optimizer state of {name!r} (TP rank {rank} of {tp}, {numel} elements): {problem}")
+                shard = f"TP rank {copy} of {tp}" if copy is not None else f"experts region {[list(r) for r in region]}"
+                raise Bad(f"optimizer state of {name!r} ({shard}, {numel} elements): {problem}")
 
 
 def _scalars(meta: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.config import Config
 from megazero.model.gpt import GPTModel
+from megazero.moe_config import MoEFields
 from megazero.model.transformer import TPContext
 from megazero.data_parallel.engine import GradSyncEngine
 from megazero.optimizer.zero import DistributedOptimizer
@@ -44,7 +45,8 @@ def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     cfg, pstate, chunks, optimizer = build(arch, hidden)
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
-    cfg = dataclasses.replace(cfg, explicit=frozenset(ckpt_load.model_keys()))  # as if the model were given by flags
+    dense_keys = frozenset(ckpt_load.model_keys()) - {f.name for f in dataclasses.fields(MoEFields)}
+    cfg = dataclasses.replace(cfg, explicit=dense_keys)  # as if the (dense) model were given by flags
     ckpt_load.merge_config(meta, cfg)
     ckpt_load.load_model_weights(folder, meta, chunks, pstate)
     ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)

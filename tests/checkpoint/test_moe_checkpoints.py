@@ -38,11 +38,14 @@ from tests.helpers.dist import spawn
 from tests.helpers.moe_ckpt import full_contents, layout_state, moe_cfg, random_biases, round_trip
 from tests.helpers.resume import SAVED_AT, segment
 
-# name: layout (tp, etp (None: = tp), ep, pp, zero) over 4 ranks; each loads the previous one's checkpoint
+# name: layout (tp, etp (None: = tp), ep, pp, cp, zero) over 4 ranks; each loads the previous one's checkpoint.
+# "disk": the optimizer state offloaded to disk (its views are reused bucket by bucket); "async": --async-save
 CHAIN: dict[str, dict[str, Any]] = {
     "ep2.z1": dict(ep=2, zero=1),
     "ep4.z3": dict(ep=4, zero=3),
     "ep1.z1": dict(ep=1, zero=1),
+    "cp2.ep2.z1": dict(cp=2, ep=2, zero=1),  # ep borrows the cp ranks: dp x cp rank != expert-DP rank
+    "ep2.z3.disk.async": dict(ep=2, zero=3, disk=True, asynchronous=True),
     "tp2.etp2.ep2.z3": dict(tp=2, ep=2, zero=3),
     "tp2.etp1.ep2.z1": dict(tp=2, etp=1, ep=2, zero=1),
     "pp2.ep2.z0": dict(pp=2, ep=2, zero=0),
@@ -60,8 +63,10 @@ def world(pstate: ParallelState, ck: str) -> dict[str, Any]:
     """The CHAIN of round trips, then the TRAINED layout: straight, and saved at 2 then resumed."""
     source = f"{ck}/serial"
     for name, layout in CHAIN.items():
-        cfg = moe_cfg(**layout)
-        round_trip(layout_state(4, cfg), cfg, source, f"{ck}/{name}")
+        layout = dict(layout)
+        asynchronous, disk = layout.pop("asynchronous", False), layout.pop("disk", False)
+        cfg = moe_cfg(**layout, offload_path=f"{ck}/offload.{name}" if disk else None)
+        round_trip(layout_state(4, cfg), cfg, source, f"{ck}/{name}", asynchronous=asynchronous)
         source = f"{ck}/{name}"
     state = layout_state(4, moe_cfg(**TRAINED))
     straight = segment(state, moe_cfg(**TRAINED))
@@ -99,9 +104,10 @@ def test_round_trips_across_layouts_are_bitwise(runs):
     for name in [*CHAIN, "serial.end"]:
         got = full_contents(f"{runs['ck']}/{name}")
         assert got["scalars"] == origin["scalars"], name
-        want = {**dict(tp=1, ep=1, pp=1, zero=0), **CHAIN.get(name, {})}
-        recorded = {k: got["layout"][k] for k in ("tp", "ep", "etp", "pp", "zero")}
-        assert recorded == {**want, "etp": want.get("etp") or want["tp"]}, name
+        want = {**dict(tp=1, etp=None, ep=1, pp=1, cp=1, zero=0), **CHAIN.get(name, {})}
+        want["etp"] = want["etp"] or want["tp"]
+        assert {k: got["layout"][k] for k in ("tp", "etp", "ep", "pp", "cp", "zero")} == \
+            {k: want[k] for k in ("tp", "etp", "ep", "pp", "cp", "zero")}, name
         got_tensors = _tensors(got)
         assert got_tensors.keys() == tensors.keys(), name
         for key, t in tensors.items():

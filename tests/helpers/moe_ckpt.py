@@ -17,7 +17,9 @@ from torch import nn
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.load import load_model_weights, load_optimizer_state
-from megazero.checkpoint.save import CheckpointContext, save_checkpoint
+from megazero.checkpoint.async_save import AsyncCheckpointer
+from megazero.checkpoint.checkpointer import SyncCheckpointer
+from megazero.checkpoint.save import CheckpointContext
 from megazero.checkpoint.slices import tp_region
 from megazero.config import Config
 from megazero.model.chunk import routers_of
@@ -32,22 +34,25 @@ EXPERTS = 4
 KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def moe_cfg(*, tp: int = 1, etp: int | None = None, ep: int = 1, pp: int = 1, zero: int = 0, mbs: int = 2,
-            experts: int = EXPERTS, **kw: Any) -> Config:
-    """The resume tests' tiny gpt2 config (4 iterations, evaluation) as an MoE model in the given layout."""
+def moe_cfg(*, tp: int = 1, etp: int | None = None, ep: int = 1, pp: int = 1, cp: int = 1, zero: int = 0,
+            mbs: int = 2, experts: int = EXPERTS, offload_path: str | None = None, **kw: Any) -> Config:
+    """The resume tests' tiny gpt2 config (4 iterations, evaluation) as an MoE model in the given layout;
+    ``offload_path``: the optimizer state on disk there."""
     base = cfg_for(tp=tp, pp=pp, zero=zero, mbs=mbs, sp=tp > 1, **kw)
     model = dataclasses.replace(base.model, num_experts=experts, moe_ffn_hidden_size=32, moe_layer_freq=["0", "1"],
                                 moe_shared_expert_intermediate_size=16, moe_router_enable_expert_bias=True,
                                 moe_router_bias_update_rate=0.01)
-    parallel = dataclasses.replace(base.parallel, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    offload = dict(offload_optimizer="disk", offload_path=offload_path) if offload_path else {}
+    parallel = dataclasses.replace(base.parallel, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                                   context_parallel_size=cp, **offload)
     return dataclasses.replace(base, model=model, parallel=parallel)
 
 
 def layout_state(world: int, cfg: Config) -> ParallelState:
     """The process groups of ``cfg``'s layout over this world (a new set of gloo groups)."""
     p = cfg.parallel
-    return ParallelState.build(Layout.from_world(world, p.tp, p.pp, ep=p.ep, etp=p.expert_tensor_parallel_size),
-                               "cpu")
+    return ParallelState.build(Layout.from_world(world, p.tp, p.pp, p.context_parallel_size, ep=p.ep,
+                                                 etp=p.expert_tensor_parallel_size), "cpu")
 
 
 def random_biases(chunks: list[nn.Module]) -> None:
@@ -61,9 +66,10 @@ def random_biases(chunks: list[nn.Module]) -> None:
 
 
 def round_trip(pstate: ParallelState, cfg: Config, load: str, save: str,
-               edit: Callable[[list[nn.Module]], None] | None = None) -> str:
+               edit: Callable[[list[nn.Module]], None] | None = None, asynchronous: bool = False) -> None:
     """Load ``load`` into ``cfg``'s layout as a resume does (weights, then the optimizer) and save it again at
-    once, as the same iteration; ``edit`` changes the loaded model first. Returns the new checkpoint folder."""
+    once, as the same iteration (``asynchronous``: as --async-save does); ``edit`` changes the loaded model
+    first."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
     folder = storage.resolve(load)
@@ -75,7 +81,9 @@ def round_trip(pstate: ParallelState, cfg: Config, load: str, save: str,
     load_optimizer_state(folder, meta, optimizer, chunks, pstate)
     try:
         ctx = CheckpointContext(save, cfg, plan, pstate, chunks, optimizer, log=lambda line: None)
-        return save_checkpoint(ctx, int(meta["iteration"]), int(meta["consumed_samples"]))
+        saver = AsyncCheckpointer(ctx) if asynchronous else SyncCheckpointer(ctx)
+        saver.save(int(meta["iteration"]), int(meta["consumed_samples"]))
+        saver.finish()
     finally:
         optimizer.close()
 

@@ -4,9 +4,10 @@ The tiny MoE model (tests/helpers/moe_ckpt.py: gpt2 experts with biases, a share
 pp 2 run has a stage without experts, the router's expert bias) is trained 2 iterations in this process and
 saved; loaded and saved again with each router's expert bias set to seeded values, it is the origin ``serial``.
 A 4-rank world then walks CHAIN: each layout loads the previous layout's checkpoint and saves its own at once.
-That is 12 save/load pairs across (tp, etp, ep, pp, zero): ep 1 -> 2 -> 4 -> 1, etp 1 <-> 2 (with etp = tp,
-etp < tp and etp > tp), ZeRO 0, 1, 2, 3 (1 <-> 3 both ways), tp 1/2/4 with sequence parallelism, pp 1/2; the last
-checkpoint is loaded and saved once more in this process (a 13th pair, back to one rank). Every checkpoint must
+That is 14 save/load pairs across (tp, etp, ep, pp, cp, zero): ep 1 -> 2 -> 4 -> 1, etp 1 <-> 2 (with etp = tp,
+etp < tp and etp > tp), ZeRO 0, 1, 2, 3 (1 <-> 3 both ways), tp 1/2/4 with sequence parallelism, pp 1/2, cp 2,
+the optimizer state on disk and --async-save; the last checkpoint is loaded and saved once more in this process
+(a 15th pair, back to one rank). Every checkpoint must
 hold exactly the origin's tensors, read back whole without megazero's loader: model weights, the expert bias,
 fp32 master weights and both Adam moments (bitwise; a region no file covers stays NaN and fails).
 

@@ -12,13 +12,13 @@ not divide S); without it, L = S: one document per sample, the upper bound of ev
                      instead of 3 b n S^2 e / t (measured: ``tests/memory/test_document_plan.py``)
     flash kernel     the per-document calls write into one output: the bytes of causal attention
                      (measured, same test)
-    context parallel the ring's and the all-to-all's cores keep the same bytes (measured, same test); the
-                     step-time model charges the ring's unmasked K/V exchange, an upper bound (the ring sends
-                     only the rows some rank ahead uses)
+    context parallel the ring's and the all-to-all's cores keep the same bytes (measured, same test); a
+                     ring hop carries only the K/V rows some rank ahead uses (``ring_hop_shares``)
 """
 from __future__ import annotations
 
 from ..config import Config
+from ..context_parallel.ring import needed_rows
 from ..model.documents import attended_share
 
 Bounds = tuple[tuple[int, ...], ...]
@@ -58,6 +58,22 @@ def planned_attended_share(seq_length: int, document_length: int | None, ring: i
     if ring == 1:
         return attended_share([bounds])
     return max(attended_share([bounds], (rank, ring)) for rank in range(ring))
+
+
+def ring_hop_shares(seq_length: int, ring: int, document_length: int | None) -> tuple[float, float]:
+    """(K/V rows over a block's R - 1 hops, dK/dV accumulator rows over its R - 1 hops), in units of one ring
+    position's rows, each hop at its busiest sender: a hop of rank src's K/V carries the rows some rank
+    still ahead uses (``context_parallel.ring.needed_rows``; unmasked, all but rank 0's late chunk), and
+    the accumulator travels the rows of the first hop."""
+    local = seq_length // ring
+    bounds = None if document_length is None else planned_bounds(seq_length, document_length)
+
+    def rows(src: int, hop: int) -> int:
+        ahead = tuple((src + h) % ring for h in range(hop, ring))
+        return sum(hi - lo for lo, hi in needed_rows(src, ahead, ring, local, True, bounds))
+
+    hops = sum(max(rows(src, hop) for src in range(ring)) for hop in range(1, ring))
+    return hops / local, (ring - 1) * max(rows(src, 1) for src in range(ring)) / local
 
 
 def document_lines(cfg: Config, ring: int = 1) -> list[str]:

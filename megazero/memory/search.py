@@ -13,10 +13,11 @@ it ranks layouts rather than predicting wall time to the percent):
             + TP: 4 collectives per block (6 with full recompute) of s_l b h e bytes,
               ring cost 2 (tp-1)/tp x bytes / intra-node bandwidth
             + CP, per block (``cp_seconds``), with kv = 2 s_l b g/t d e (this rank's K and V):
-              p2p: (cp-1) K/V sends forward, (cp-1) K/V and cp fp32 dK/dV backward, the
-              forward's again with recompute (also under a document mask: an upper bound, the
-              ring then sends only the rows a rank ahead uses); a2a: 4 all-to-alls forward and 4 backward of
-              (cp-1)/cp of the local q, k, v, out (8 more with recompute); a2a+p2p: both, over
+              p2p: (cp-1) K/V sends forward, (cp-1) K/V and (cp-1) fp32 dK/dV backward, the
+              forward's again with recompute, each hop only the rows some rank ahead uses, under a
+              document mask those of the planned documents (``documents.ring_hop_shares``);
+              a2a: 4 all-to-alls forward and 4 backward of (cp-1)/cp of the local q, k, v, out
+              (8 more with recompute); a2a+p2p: both, over
               U and cp/U ranks; intra-node bandwidth when tp x cp fits in a node
             + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth
     step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
@@ -48,7 +49,7 @@ from ..config import RECOMPUTE_MODES, Config, ModelConfig, Placement
 from ..model.flops import flops_per_token
 from ..run_plan import ZeroStage
 from .activations import kv_heads_per_rank
-from .documents import document_lines, planned_attended_share
+from .documents import document_lines, planned_attended_share, ring_hop_shares
 from .offload import OffloadHardware, describe
 from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
 
@@ -99,7 +100,8 @@ def cp_seconds(spec: PlanSpec, hw: Hardware) -> float:
         moved += (2 + replays) * (u - 1) / u * local
     if ring > 1:  # this rank's K/V (gathered to U s tokens of g'/U heads in the hybrid: the same bytes)
         kv = 2 * s * b * kv_heads * d * e
-        moved += (ring - 1) * kv * (2 + replays) + ring * kv * 4 / e
+        hops, accumulators = ring_hop_shares(cfg.seq_length, ring, a.document_length)
+        moved += hops * kv * (2 + replays) + accumulators * kv * 4 / e
     bw = hw.intra_node_bandwidth if run.tp * run.cp <= hw.gpus_per_node else hw.inter_node_bandwidth
     return moved / bw
 

@@ -23,6 +23,8 @@ import torch
 from megazero.config import Config, ConfigError
 from megazero.context_parallel.split import CPSplit
 from megazero.memory import Hardware, PlanSpec, chunk_activation_bytes, format_plan, plan_memory, step_time
+from megazero.memory.documents import ring_hop_shares
+from megazero.memory.search import cp_seconds
 from megazero.model.chunk import blocks_of
 from megazero.model.documents import PackingRule
 from megazero.model.flops import flops_per_token
@@ -137,6 +139,44 @@ def test_step_time_counts_the_attended_pairs(length):
                  for a in (None, share)]
         assert times[1] / times[0] == pytest.approx(flops[1] / flops[0], rel=1e-9), (cp, comm)
         assert times[1] < times[0]
+
+
+def _ring_spec(length: int | None, seq: int = 4096, cp: int = 4) -> PlanSpec:
+    return PlanSpec.for_world(packed_config("llama", length, cp=cp, seq_length=seq), cp)
+
+
+def test_ring_exchange_carries_only_the_rows_the_planned_documents_need():
+    """Documents inside the 2 x cp chunks: no ring hop carries anything; L = S: the unmasked exchange;
+    documents crossing chunks: between, and the K/V hops of the busiest sender counted on the mask."""
+    hw = Hardware(gpus=4, gpu_memory_gib=80)
+    unmasked = cp_seconds(_ring_spec(None), hw)
+    assert cp_seconds(_ring_spec(4096), hw) == pytest.approx(unmasked, rel=1e-12)
+    assert cp_seconds(_ring_spec(512), hw) == 0.0  # chunks of 512 tokens: every document inside one
+    hops, accumulators = ring_hop_shares(48, 4, 10)  # chunks of 6: documents of 10 cross them
+    assert (hops, accumulators) == (_mask_hop_rows(48, 4, 10), 3 * _mask_hop_rows(48, 4, 10, only_first=True))
+    assert 0 < cp_seconds(_ring_spec(640), hw) < unmasked
+
+
+def _mask_hop_rows(seq: int, ring: int, length: int, only_first: bool = False) -> float:
+    """Rows of a ring rank's K/V the hops carry (per hop, the busiest sender; in local rows), from the mask:
+    hop h of rank src's K/V carries the span of its key rows some query of ranks src+h .. src+R-1 attends."""
+    doc = torch.arange(seq) // length
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(seq, seq, dtype=torch.bool).tril()
+    split, local = CPSplit(cp=ring), seq // ring
+    total = 0
+    for hop in (1,) if only_first else range(1, ring):
+        most = 0
+        for src in range(ring):
+            keys = split.positions(seq, src)
+            queries = torch.cat([split.positions(seq, (src + h) % ring) for h in range(hop, ring)])
+            used = allowed[queries][:, keys].any(dim=0)  # [local] rows of src some rank ahead attends to
+            spans = 0
+            for half in (used[:local // 2], used[local // 2:]):  # a span per chunk, first to last used row
+                rows = torch.nonzero(half).flatten()
+                spans += int(rows[-1] - rows[0] + 1) if rows.numel() else 0
+            most = max(most, spans)
+        total += most
+    return total / local
 
 
 def test_planner_output_says_the_documents_it_assumed():

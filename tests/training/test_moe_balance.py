@@ -3,8 +3,8 @@
 - The force-balance router gives max/mean tokens per expert exactly 1 (imbalance 0) in the metrics file,
   with the counts summed over both sequence-parallel ranks and each layer's row from its pipeline stage
   (tp 2 x pp 2); the step's FLOPs are the active-parameter formula.
-- Full recompute routes the same tokens and counts them once: per-layer counts and loss values equal a run
-  without it (dp 2: the counts cover both replicas' tokens).
+- dp 2 with full recompute routes and counts as one process without it: per-layer counts equal every step
+  (both replicas' tokens, a recompute's not again), and so do the expert biases they update.
 - A router skewed toward two experts (+1.0 on their choice scores, written into a checkpoint's expert bias:
   every token picks them at the start) is balanced by the bias updates to imbalance <= 0.15 within 100 steps.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from megazero.arguments import parse_config
@@ -59,27 +60,41 @@ def test_force_balance_records_exact_balance_and_active_flops(tmp_path) -> None:
     _check_flops(records, tmp_path, 4)
 
 
-def test_full_recompute_counts_tokens_once(tmp_path) -> None:
+def _model_file(checkpoint) -> str:
+    """The glob of the saved model tensors (tp 0, pp 0: every router of a pp 1 run)."""
+    return str(checkpoint / "iter_*" / "model_tp00_pp00.safetensors")
+
+
+def _saved_expert_bias(checkpoint) -> dict[str, torch.Tensor]:
+    (path,) = glob.glob(_model_file(checkpoint))
+    return {name: t for name, t in load_file(path).items() if name.endswith("router.expert_bias")}
+
+
+def test_counts_cover_every_rank_once(tmp_path) -> None:
+    """dp 2 with full recompute against one process without: the same global counts every step (each replica's
+    tokens counted, a recompute's not), so the same expert-bias updates, and bitwise the same saved biases."""
     args = [*SMALL, "--global-batch-size", "16", "--train-iters", "3", "--moe-aux-loss-coeff", "1e-2",
-            "--moe-z-loss-coeff", "1e-3"]
-    (tmp_path / "plain").mkdir()
-    (tmp_path / "full").mkdir()
-    plain = train_records(tmp_path / "plain" / "m.jsonl", args, 2)
-    full = train_records(tmp_path / "full" / "m.jsonl", [*args, "--recompute", "full"], 2)
-    assert len(plain) == len(full) == 3
-    for a, b in zip(plain, full, strict=True):
+            "--moe-z-loss-coeff", "1e-3", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2"]
+    runs = {"serial": ([], 1), "dp2_full": (["--recompute", "full"], 2)}
+    records = {}
+    for name, (extra, world) in runs.items():
+        (tmp_path / name).mkdir()
+        records[name] = train_records(tmp_path / name / "m.jsonl",
+                                      [*args, *extra, "--save", str(tmp_path / name / "ckpt")], world)
+        _check_flops(records[name], tmp_path / name, world)
+    for a, b in zip(records["serial"], records["dp2_full"], strict=True):
         assert _counts(a) == _counts(b)
-        assert all(sum(c) == 16 * 64 * TOPK for c in _counts(a).values())  # both dp ranks, both micro-batches
-        for key in ("moe_aux_loss", "moe_z_loss", "moe_imbalance"):
-            assert a[key] == b[key]
-        assert a["moe_aux_loss"] > 0 and a["moe_z_loss"] > 0
-    _check_flops(plain, tmp_path / "plain", 2)
-    _check_flops(full, tmp_path / "full", 2)
+        assert all(sum(c) == 16 * 64 * TOPK for c in _counts(a).values())  # both replicas, all micro-batches
+        for key in ("moe_aux_loss", "moe_z_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6) and a[key] > 0
+    serial, parallel = (_saved_expert_bias(tmp_path / name / "ckpt") for name in runs)
+    assert serial.keys() == parallel.keys() and len(serial) == 2
+    assert all(torch.equal(serial[n], parallel[n]) and serial[n].abs().sum() > 0 for n in serial)
 
 
 def _skew_expert_bias(checkpoint, experts: slice, amount: float) -> None:
     """Add ``amount`` to every router's expert bias for ``experts`` in the saved model file."""
-    (path,) = glob.glob(str(checkpoint / "iter_*" / "model_tp00_pp00.safetensors"))
+    (path,) = glob.glob(_model_file(checkpoint))
     tensors = load_file(path)
     for name in [n for n in tensors if n.endswith("router.expert_bias")]:
         tensors[name] = tensors[name].clone()

@@ -1,4 +1,5 @@
-"""Achieved TFLOP/s and MFU from the model's FLOPs per token (``megazero.model.flops``).
+"""Achieved TFLOP/s and MFU from the model's FLOPs per token (``megazero.model.flops``; for an MoE model
+the active parameters: router, k routed experts and the shared expert per token, not all E experts).
 
 Achieved TFLOP/s per device = FLOPs per token x tokens per step / step time /
 number of devices; MFU divides that by the device's peak.

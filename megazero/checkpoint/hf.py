@@ -23,7 +23,7 @@ import torch
 
 from ..config import ModelConfig
 from .hf_fields import hf_config, model_config_from_hf
-from .hf_moe import moe_layer_from_hf, moe_layer_to_hf
+from .hf_moe import moe_config_fields, moe_layer_from_hf, moe_layer_to_hf
 
 __all__ = ["from_hf", "hf_config", "model_config_from_hf", "to_hf"]
 
@@ -111,6 +111,8 @@ def _llama_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
 
 def to_hf(src: State, cfg: ModelConfig) -> State:
     """Full megazero state -> HF state dict (contiguous tensors, vocabulary padding dropped)."""
+    if cfg.num_experts is not None:
+        moe_config_fields(cfg)  # raises naming what HF's MoE classes cannot compute, before any tensor is read
     vocab = cfg.vocab_size
     out: State = {}
     if cfg.arch == "gpt2":

@@ -84,8 +84,8 @@ def moe_settings_from_hf(config: dict[str, Any], kind: str, problems: list[str])
     """ModelConfig MoE settings of a Mixtral or Qwen3-MoE config; appends to ``problems`` what it cannot take."""
     if config.get("output_router_logits"):
         problems.append("output_router_logits=true (HF's load-balancing loss pools every layer's counts and does "
-                        "not divide by k, so router_aux_loss_coef has no exact megazero equivalent: set it false "
-                        "and train with --moe-aux-loss-coeff)")
+                        "not divide by k, so router_aux_loss_coef has no exact megazero equivalent: set it false; "
+                        "megazero's balancing loss is --moe-aux-loss-coeff)")
     if config.get("router_jitter_noise"):
         problems.append(f"router_jitter_noise={json.dumps(config['router_jitter_noise'])} (megazero's router "
                         "scales no input by noise)")

@@ -16,12 +16,16 @@ trains 2 iterations from scratch at tp2 x etp2 x ep2, ZeRO 3, and its checkpoint
 this process within 1e-5 (what training parity allows). At that layout, and in this process, a run resumed from
 its own checkpoint repeats the uninterrupted 4-iteration run bitwise (losses, grad norms, evaluation, weights).
 
-Refused in one line: a dense checkpoint into an MoE model, and a checkpoint with another number of experts.
+Refused in one line: a dense checkpoint into an MoE model, a checkpoint with another number of experts, and an
+index whose expert regions leave experts uncovered.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import shutil
 from typing import Any
 
 import pytest
@@ -174,3 +178,31 @@ def test_dense_checkpoint_or_other_expert_count_is_one_line(runs, tmp_path):
             _merge(cfg, root)
         for err in (weights, flags):
             assert "\n" not in str(err.value) and ("--num-experts" in str(err.value)), str(err.value)
+
+
+def _shift_expert_region(meta: dict) -> None:
+    """One ep rank's optimizer file claims the experts of the next ep rank (its own experts' state is gone)."""
+    files = [info for info in meta["optimizer"]["files"].values() if info["regions"]]
+    name = next(iter(files[0]["regions"]))
+    files[0]["regions"][name] = files[1]["regions"][name]
+
+
+def _drop_expert_file(meta: dict) -> None:
+    """The experts of ep rank 1 are left out of the model index."""
+    entry = next(e for n, e in meta["model"].items() if ".experts." in n)
+    del entry["files"]["experts_etp00_ep01_pp00.safetensors"]
+
+
+@pytest.mark.parametrize("edit, expect", [(_shift_expert_region, r"optimizer state of '.*experts.*a gap"),
+                                          (_drop_expert_file, r"model tensor '.*experts.*a gap")])
+def test_damaged_expert_index_is_one_line(runs, tmp_path, edit, expect):
+    """An index whose expert regions leave experts uncovered fails before anything is read, naming the file."""
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(f"{runs['ck']}/ep4.z3", root)
+    path = os.path.join(storage.resolve(root), storage.METADATA)
+    meta = json.load(open(path))
+    edit(meta)
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(ValueError, match=expect) as info:
+        storage.read_metadata(storage.resolve(root))
+    assert path in str(info.value) and "\n" not in str(info.value), str(info.value)

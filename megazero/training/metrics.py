@@ -77,7 +77,7 @@ MOE_LOSS_LABELS = {"moe_aux_loss": "aux", "moe_seq_aux_loss": "seq aux", "moe_z_
 
 
 def format_moe(r: dict[str, Any]) -> str:
-    """``moe aux 1.003E+00 z 2.1E+00 imbalance 0.042 (layer 3)``: the balance losses (mean over the MoE layers)
+    """``moe aux 1.003E+00 z 2.104E+00 imbalance 0.042 (layer 3)``: the balance losses (mean over the MoE layers)
     and the worst layer's max/mean - 1 of tokens per expert; the metrics file has every layer's."""
     losses = [f"{label} {r[key]:.3E}" for key, label in MOE_LOSS_LABELS.items() if key in r]
     return " ".join(["moe", *losses, f"imbalance {r['moe_imbalance']:.3f} (layer {r['moe_imbalance_layer']})"])

@@ -20,11 +20,11 @@ def test_flops_per_token_hand_count():
     assert flops_per_token(cfg) == 3 * 592
     assert flops_per_token(cfg, "selective") == 3 * 592 + 128
     assert flops_per_token(cfg, "full") == 3 * 592 + 512
-    # llama with 2 query groups of 2 heads (n=4, g=2, d=1): QKV 2*4*(4+4)*1 = 64, core 2*(2*8*4*1) = 128,
-    # out 2*4*4 = 32, SwiGLU 3 * 2*4*16 = 384 -> 608; head 80.
-    llama = ModelConfig(arch="llama", num_layers=1, hidden_size=4, num_attention_heads=4, num_query_groups=2,
+    # llama with 2 query groups of 2 heads (h=8, n=4, g=2, d=2; RoPE needs an even d): QKV 2*8*(4+4)*2 = 256,
+    # core 2*(2*8*4*2) = 256, out 2*4*2*8 = 128, SwiGLU 3 * 2*8*16 = 768 -> 1408; head 2*8*10 = 160.
+    llama = ModelConfig(arch="llama", num_layers=1, hidden_size=8, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=16, seq_length=8, vocab_size=10)
-    assert flops_per_token(llama) == 3 * (608 + 80)
+    assert flops_per_token(llama) == 3 * (1408 + 160)
     assert achieved_tflops(1e12, 10, 2.0, 5) == pytest.approx(1.0)
 
 

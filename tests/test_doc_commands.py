@@ -66,6 +66,8 @@ COMMANDS: dict[str, str] = {
     "runs/finetuned": _TRAINS + " (from the checkpoint above; tests/checkpoint/test_finetune.py runs --finetune)",
     ".venv/bin/python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 "
     "--pp 2": _CKPT,
+    ".venv/bin/python tools/convert_checkpoint.py --input hf_mixtral --output runs/from_hf --to megazero --ep 2":
+        "converts an HF Mixtral folder; tests/checkpoint/test_hf_moe.py converts tiny ones at --ep 2 and back",
     "$ .venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/tiny.yaml --tp 2 --pp 2 --zero 2 "
     "--train-iters 20 --log-timers --eval-interval 20 --save runs/tiny-8 --metrics-file runs/tiny-8/metrics.jsonl":
         _TRAINS,

@@ -1,13 +1,15 @@
-"""Convert checkpoints: megazero (any layout) -> HF transformers, and HF -> megazero at any (tp, pp).
+"""Convert checkpoints: megazero (any layout) -> HF transformers, and HF -> megazero at any (tp, pp; ep, etp).
 
     python tools/convert_checkpoint.py --input runs/ckpt --output hf_model --to hf
     python tools/convert_checkpoint.py --input hf_model --output runs/from_hf --to megazero --tp 2 --pp 2
+    python tools/convert_checkpoint.py --input hf_mixtral --output runs/from_hf --to megazero --ep 2
 
 The HF folder holds config.json (with architectures, dtype and the model's own
 max_position_embeddings), model.safetensors in --dtype (sharded above --max-shard-size) and
 the run's tokenizer: an HF tokenizer.json as it is, or a fast tokenizer that encodes exactly as
 its sentencepiece model; GPT2LMHeadModel, LlamaForCausalLM or (llama with --qk-layernorm)
-Qwen3ForCausalLM.from_pretrained loads it. An export replaces an earlier one in the folder whole
+Qwen3ForCausalLM.from_pretrained loads it, and with --num-experts MixtralForCausalLM (or, with
+--qk-layernorm, Qwen3MoeForCausalLM). An export replaces an earlier one in the folder whole
 (either layout), and a crash midway leaves it unloadable, never holding the old weights. A
 megazero checkpoint made from HF has no optimizer state: `pretrain_gpt.py --load DIR` continues
 pretraining from the weights.
@@ -62,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1, help="target tensor-parallel size (--to megazero)")
     parser.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size (--to megazero)")
     parser.add_argument("--virtual-pipeline-size", type=int, default=1, help="model chunks per pipeline rank")
+    parser.add_argument("--ep", type=int, default=1, help="target expert-parallel size (--to megazero; MoE models)")
+    parser.add_argument("--etp", type=int, help="target expert-tensor-parallel size (--to megazero; default: --tp)")
     parser.add_argument("--tokenizer-model", help="tokenizer to ship with the HF folder (default: the run's): a "
                         "sentencepiece .model, an HF tokenizer.json or a folder holding one")
     parser.add_argument("--tokenizer-type", choices=("sentencepiece", "hf"),
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.to == "hf":
             _to_hf(args)
         else:
-            hf_to_checkpoint(args.input, args.output, tp=args.tp, pp=args.pp, vp=args.virtual_pipeline_size)
+            hf_to_checkpoint(args.input, args.output, tp=args.tp, pp=args.pp, vp=args.virtual_pipeline_size,
+                             ep=args.ep, etp=args.etp)
     except ValueError as err:
         print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
         return 2

@@ -2,11 +2,13 @@
 
 These run in one process on purpose (a conversion tool, not training): they
 assemble the full model from the shards, or slice a full model into the
-shards of any target (tp, pp, virtual stages).
+shards of any target (tp, pp, virtual stages; ep and etp for the experts of
+an MoE model, stored by global expert id as a run saves them).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -24,11 +26,12 @@ from ..pipeline.partition import chunk_layer_ranges
 from ..run_plan import RunPlan, layout_record
 from ..tensor_parallel.layers import spec_of
 from . import hf_folder, storage
-from .hf import from_hf, hf_config, model_config_from_hf, to_hf
+from .hf import from_hf, to_hf
+from .hf_fields import hf_config, model_config_from_hf
 from .hf_tokenizer_export import write_tokenizer
 from .load import ShardReader
 from .save import non_finite
-from .slices import relative, tp_region
+from .slices import Region, expert_region, relative, tp_region
 
 State = dict[str, torch.Tensor]
 
@@ -72,31 +75,49 @@ def _stages_of(name: str, cfg: Config, pp: int, vp: int) -> list[int]:
     return [pp - 1]  # final norm and output head
 
 
-def target_config(cfg: Config, *, tp: int, pp: int, vp: int = 1) -> Config:
-    """``cfg`` laid out at (tp, pp, vp), checked as a run at that layout checks it; raises ConfigError first.
+def target_config(cfg: Config, *, tp: int, pp: int, vp: int = 1, ep: int = 1, etp: int | None = None) -> Config:
+    """``cfg`` laid out at (tp, pp, vp; ep, etp), checked as a run at that layout checks it; raises ConfigError first.
 
     The run's own checks (``Config`` sections, ``RunPlan.resolve``) refuse a --tp that does not divide the
-    heads, query groups, hidden or MLP width, a --pp that does not divide the layers, degrees below 1. The
-    batch is the resuming run's choice, not the checkpoint's, so it is checked at one that fits any pipeline.
+    heads, query groups, hidden or MLP width, a --pp that does not divide the layers, an --ep that does not
+    divide the experts, degrees below 1. The batch is the resuming run's choice, not the checkpoint's, so it
+    is checked at one that fits any pipeline; the world is the smallest both grids fold into, with sequence
+    parallelism where MoE under TP needs it (a run's own setting, not saved).
     """
     try:
-        target = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        target = cfg.updated(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                             expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+        world = pp * math.lcm(tp, (etp or tp) * ep)
         as_run = target.updated(virtual_pipeline_size=vp if vp != 1 else None,
-                                global_batch_size=target.training.micro_batch_size * pp)
-        RunPlan.resolve(as_run, world_size=tp * pp)
+                                global_batch_size=target.training.micro_batch_size * world // tp,
+                                sequence_parallel=tp > 1 and cfg.model.num_experts is not None)
+        RunPlan.resolve(as_run, world_size=world)
     except ConfigError as err:
-        vp_flag = f" --virtual-pipeline-size {vp}" if vp != 1 else ""
-        raise ConfigError(f"target layout --tp {tp} --pp {pp}{vp_flag} does not fit the model: {err}") from None
+        flags = f"--tp {tp} --pp {pp}" + (f" --virtual-pipeline-size {vp}" if vp != 1 else "")
+        flags += (f" --ep {ep}" if ep != 1 else "") + (f" --etp {etp}" if etp is not None else "")
+        raise ConfigError(f"target layout {flags} does not fit the model: {err}") from None
     return target
 
 
-def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, vp: int = 1,
-                     iteration: int = 0) -> str:
-    """Slice a full state into a (tp, pp, vp) megazero checkpoint with no optimizer state.
+def _regions(name: str, shape: list[int], spec: Any, pp_rank: int, layout: Layout) -> dict[str, Region]:
+    """File -> the region of ``name`` it holds at ``layout``: a TP shard per tp rank, or for an expert weight
+    E/ep experts by global id and an etp slice per (etp, ep) rank, as a run at that layout saves them."""
+    if not spec.expert:
+        return {storage.model_file(r, pp_rank): tp_region(shape, spec.split_dim, r, layout.tp)
+                for r in range(layout.tp)}
+    local = shape[0] // layout.ep
+    return {storage.expert_file(t, e, pp_rank): expert_region(shape, spec.split_dim, e * local, local, t,
+                                                              layout.expert_tp)
+            for e in range(layout.ep) for t in range(layout.expert_tp)}
+
+
+def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, vp: int = 1, ep: int = 1,
+                     etp: int | None = None, iteration: int = 0) -> str:
+    """Slice a full state into a (tp, pp, vp; ep, etp) megazero checkpoint with no optimizer state.
 
     The layout is validated before anything is written: a checkpoint a run could not load is never made.
     """
-    saved_cfg = target_config(cfg, tp=tp, pp=pp, vp=vp)
+    saved_cfg = target_config(cfg, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)
     with torch.device("meta"):
         specs = {n: spec_of(p) for n, p in GPTModel(cfg.model, TPContext()).named_parameters()}
     if set(specs) != set(state):
@@ -106,25 +127,26 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
     if bad:
         raise ValueError(f"the weights hold NaN/inf in {bad[:3]}; no checkpoint is written - convert a finite model.")
     padded = cfg.model.padded_vocab_size(tp)
+    layout = Layout(tp=tp, dp=math.lcm(tp, (etp or tp) * ep) // tp, pp=pp, ep=ep, etp=etp)  # the smallest world
     os.makedirs(root, exist_ok=True)
     staging = storage.staging_dir(root, iteration, f"{int(time.time() * 1000)}")
     os.makedirs(staging)
     index: dict[str, Any] = {}
     for pp_rank in range(pp):
-        names = [n for n in specs if pp_rank in _stages_of(n, cfg, pp, vp)]
-        for tp_rank in range(tp):
-            fname, tensors = storage.model_file(tp_rank, pp_rank), {}
-            for name in names:
-                full = _fit_rows(state[name], padded) if specs[name].valid_rows is not None else state[name]
-                region = tp_region(list(full.shape), specs[name].split_dim, tp_rank, tp)
-                tensors[name] = full[relative(region, [(0, n) for n in full.shape])].contiguous()
-                entry = index.setdefault(name, {"shape": list(full.shape), "split_dim": specs[name].split_dim,
-                                                "dtype": str(full.dtype).replace("torch.", ""),
-                                                "padded_rows": specs[name].valid_rows is not None, "files": {}})
+        files: dict[str, State] = {}
+        for name in [n for n in specs if pp_rank in _stages_of(n, cfg, pp, vp)]:
+            full = _fit_rows(state[name], padded) if specs[name].valid_rows is not None else state[name]
+            entry = index.setdefault(name, {"shape": list(full.shape), "split_dim": specs[name].split_dim,
+                                            "dtype": str(full.dtype).replace("torch.", ""),
+                                            "padded_rows": specs[name].valid_rows is not None,
+                                            "expert": specs[name].expert, "buffer": False, "files": {}})
+            for fname, region in _regions(name, list(full.shape), specs[name], pp_rank, layout).items():
+                files.setdefault(fname, {})[name] = full[relative(region, [(0, n) for n in full.shape])].contiguous()
                 entry["files"][fname] = region
+        for fname, tensors in files.items():
             save_file(tensors, os.path.join(staging, fname))
-    layout = layout_record(Layout(tp=tp, dp=1, pp=pp), cfg.parallel.zero, vp)
-    meta = storage.metadata_dict(config=saved_cfg.to_flat(), layout=layout, iteration=iteration, consumed_samples=0,
+    record = {**layout_record(Layout(tp=tp, dp=1, pp=pp), cfg.parallel.zero, vp), "ep": ep, "etp": layout.expert_tp}
+    meta = storage.metadata_dict(config=saved_cfg.to_flat(), layout=record, iteration=iteration, consumed_samples=0,
                                  model=index, optimizer_scalars={}, optimizer_files={}, rng_files=False)
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
     return storage.publish(root, staging, iteration, keep_last=None)
@@ -222,8 +244,10 @@ def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
     return cfg, state
 
 
-def hf_to_checkpoint(in_dir: str, out_root: str, *, tp: int, pp: int, vp: int = 1) -> str:
+def hf_to_checkpoint(in_dir: str, out_root: str, *, tp: int, pp: int, vp: int = 1, ep: int = 1,
+                     etp: int | None = None) -> str:
     model_cfg, hf_state = load_hf(in_dir)
-    cfg = target_config(Config(model=model_cfg), tp=tp, pp=pp, vp=vp)  # before from_hf pads for tp
+    cfg = Config(model=model_cfg)
+    target_config(cfg, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)  # before from_hf pads for tp
     full = from_hf(hf_state, model_cfg, model_cfg.padded_vocab_size(tp))
-    return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp)
+    return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)

@@ -7,8 +7,11 @@ comparison is at the attention layer: this rank's q, k, v -> out, forward and ba
 step being the same code for both. One world of ``--cp`` ranks, one thread each, holds every row; each
 repetition times every row once, in turn (a barrier before each, the slowest rank's time counts), so
 load from other work on the machine falls on all rows alike. Medians over ``--repeats`` after one
-untimed round. Default workload: the gpt2 of bench/bench_cp.py (4 heads of 64), 4096 tokens, documents
-of 1 to 1023 tokens (mean ~512, seeded), batch 1.
+untimed round, of wall time and of CPU time (process time of the busiest rank, which other load does
+not inflate, but which misses time spent waiting on the peer rank). The "no exchange" row is a floor:
+the attention one Ulysses rank computes (n/cp heads of the whole sequence), with no exchange. Default
+workload: the gpt2 of bench/bench_cp.py (4 heads of 64), 4096 tokens, documents of 1 to 1023 tokens
+(mean ~512, seeded), batch 1.
 
     .venv/bin/python -m bench.bench_cp_peer                 # cp 2, S 4096, 7 repeats
     .venv/bin/python -m bench.bench_cp_peer --seq 8192 --repeats 5
@@ -89,23 +92,23 @@ def _inputs(args: argparse.Namespace, rank: int, split, bshd: bool) -> list[torc
     return [t.transpose(1, 2).contiguous() if bshd else t for t in local]
 
 
-def _time(f, inputs: list[torch.Tensor], group) -> tuple[float, torch.Tensor]:
-    """Forward + backward of one call; the slowest rank's seconds and the output (in [b, n, s, d])."""
+def _time(f, inputs: list[torch.Tensor], group) -> tuple[list[float], torch.Tensor]:
+    """Forward + backward of one call: [wall seconds, CPU seconds] of the slowest rank, and the output."""
     q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = f(q, k, v)
     out.backward(inputs[3])
-    took = torch.tensor([time.perf_counter() - start])
+    took = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-    return float(took), out.detach()
+    return took.tolist(), out.detach()
 
 
 def _rank(rank: int, args: argparse.Namespace, init: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=args.cp)
     group = dist.new_group(list(range(args.cp)))
-    times: dict[str, list[float]] = {}
+    times: dict[str, list[list[float]]] = {}
     for masked in (False, True):
         bounds = document_bounds(args.seq) if masked else None
         rows = _attentions(rank, args.cp, bounds)
@@ -133,26 +136,29 @@ def _check_agreement(outs: dict, rank: int) -> None:
         raise AssertionError(f"rank {rank}: megazero a2a and DeepSpeed-Ulysses differ by {err}")
 
 
-def run(args: argparse.Namespace) -> dict[str, list[float]]:
+def run(args: argparse.Namespace) -> dict[str, list[list[float]]]:
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_rank, args=(args, os.path.join(tmp, "init"), tmp), nprocs=args.cp, join=True)
         with open(os.path.join(tmp, "times.json")) as f:
             return json.load(f)
 
 
-def table(args: argparse.Namespace, times: dict[str, list[float]]) -> str:
+def table(args: argparse.Namespace, times: dict[str, list[list[float]]]) -> str:
+    """Medians of wall time and of CPU time (the busiest rank's: what other load on the machine does not
+    inflate, but blind to time spent waiting), each with the peer's over the row's."""
     lines = [results_header("bench.bench_cp_peer"), "",
              f"cp {args.cp}, S {args.seq}, heads {args.heads}/{args.kv_heads} kv, d {args.head_dim}, batch 1, "
              f"1 thread/rank; attention forward + backward, median of {args.repeats} (slowest rank); "
              f"masked: {len(document_lengths(args.seq))} documents", "",
-             "| row | ms (median) | ms (every run) | DeepSpeed-Ulysses / row |", "|---|---|---|---|"]
+             "| row | wall ms (median) | wall ms (every run) | DeepSpeed-Ulysses / row (wall) | CPU ms (median) | "
+             "DeepSpeed-Ulysses / row (CPU) |", "|---|---|---|---|---|---|"]
     for masked in ("", " masked"):
-        peer = statistics.median(times[ROWS[2] + masked])
+        peer = [statistics.median(run[i] for run in times[ROWS[2] + masked]) for i in (0, 1)]
         for name in ROWS:
             runs = times[name + masked]
-            med = statistics.median(runs)
-            lines.append(f"| {name}{masked} | {med * 1e3:.0f} | {' '.join(f'{t * 1e3:.0f}' for t in runs)} | "
-                         f"{peer / med:.2f}x |")
+            wall, cpu = (statistics.median(run[i] for run in runs) for i in (0, 1))
+            lines.append(f"| {name}{masked} | {wall * 1e3:.0f} | {' '.join(f'{r[0] * 1e3:.0f}' for r in runs)} | "
+                         f"{peer[0] / wall:.2f}x | {cpu * 1e3:.0f} | {peer[1] / cpu:.2f}x |")
     lines.append(f"\nload average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return "\n".join(lines)
 

@@ -136,6 +136,21 @@ COMMANDS: dict[str, str] = {
     "--global-batch-size 1024 --micro-batch-size 1 --recompute full --reduce-every-micro-batch": RUN,
     ".venv/bin/python tools/plan_memory.py --write-docs": "rewrites docs/; tests/memory/test_docs_tables.py checks "
                                                           "the same output without writing",
+    # docs/moe.md: the end-to-end run it records
+    **dict.fromkeys([
+        ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/moe-tiny.yaml --tp 2 --ep 2 --pp 2 "
+        "--zero 3",
+        ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/moe-tiny.yaml --tp 2 --ep 2 --pp 2 "
+        "--zero 3 --eval-interval 60 --save-interval 60 --save runs/moe-tiny --metrics-file "
+        "runs/moe-tiny/metrics.jsonl",
+        ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/moe-tiny.yaml --tp 2 --ep 2 --pp 2 "
+        "--zero 3 --eval-interval 60 --load runs/moe-tiny/iter_0000060 --metrics-file "
+        "runs/moe-tiny-resumed/metrics.jsonl",
+        ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --config configs/moe-tiny.yaml --tp 2 --ep 4 --pp 1 "
+        "--zero 3 --load runs/moe-tiny --train-iters 160 --lr-decay-iters 120 --eval-interval 40 --save "
+        "runs/moe-tiny-ep4 --metrics-file runs/moe-tiny-ep4/metrics.jsonl"],
+        _TRAINS + " (docs/moe.md records what they printed; tests/moe/test_moe_training.py and "
+        "tests/checkpoint/test_moe_checkpoints.py train, resume and reshard MoE layouts at small sizes)"),
     ".venv/bin/python -m bench.bench_zero": _BENCH,
     "OMP_NUM_THREADS=1 .venv/bin/python -m bench.run --repeats 5 --steps 8": _BENCH,
     "make bench": _BENCH,

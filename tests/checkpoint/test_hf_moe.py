@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.convert import read_full_state
+from megazero.checkpoint.convert import load_hf, read_full_state
 from megazero.checkpoint.hf import from_hf, hf_config, model_config_from_hf, to_hf
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPTModel
@@ -109,16 +109,20 @@ def test_folder_to_megazero_at_ep2_and_back_bitwise(kind, layout, tmp_path):
 
 @pytest.mark.parametrize("kind", sorted(FAMILIES))
 def test_stacked_in_memory_experts_convert_like_the_hub_layout(kind, tmp_path):
-    """transformers 5's state_dict() stacks the experts (gate_up_proj [E, 2F, H], down_proj [E, H, F]); it converts
-    to the same megazero tensors as the per-expert keys save_pretrained writes."""
+    """transformers 5's state_dict() stacks the experts (gate_up_proj [E, 2F, H], down_proj [E, H, F]), and so does
+    save_pretrained(save_original_format=False); both convert to the same megazero tensors as the per-expert keys
+    save_pretrained writes by default."""
     hf = _hf_model(kind, 2)
     assert any(k.endswith("experts.gate_up_proj") for k in hf.state_dict())  # the layout under test
-    hf.save_pretrained(tmp_path)
+    hf.save_pretrained(tmp_path / "hub")
+    hf.save_pretrained(tmp_path / "stacked", save_original_format=False)  # the in-memory layout on disk
     cfg = model_config_from_hf(hf.config.to_dict())
-    stacked = from_hf(hf.state_dict(), cfg, cfg.padded_vocab_size(1))
-    per_expert = from_hf(load_file(tmp_path / "model.safetensors"), cfg, cfg.padded_vocab_size(1))
-    assert stacked.keys() == per_expert.keys() and all(torch.equal(stacked[k], per_expert[k]) for k in stacked)
-    assert _logits_error(cfg, stacked, hf, _ids(3)) <= LOGIT_TOL
+    per_expert = from_hf(load_file(tmp_path / "hub" / "model.safetensors"), cfg, cfg.padded_vocab_size(1))
+    for stacked in (hf.state_dict(), load_hf(str(tmp_path / "stacked"))[1]):
+        assert any(k.endswith("experts.down_proj") for k in stacked)
+        ours = from_hf(stacked, cfg, cfg.padded_vocab_size(1))
+        assert ours.keys() == per_expert.keys() and all(torch.equal(ours[k], per_expert[k]) for k in ours)
+    assert _logits_error(cfg, per_expert, hf, _ids(3)) <= LOGIT_TOL
 
 
 def test_qwen3_moe_config_maps_the_router_and_dense_layers():

@@ -252,3 +252,34 @@ def test_a_target_expert_layout_that_does_not_fit_is_refused_before_writing(tmp_
     assert err.count("\n") == 1 and "target layout --tp 1 --pp 1 --ep 3 does not fit the model: --num-experts (4)" \
         in err, err
     assert not os.path.exists(tmp_path / "mz")
+
+
+# The published config.json of Mixtral-8x7B-v0.1 and Qwen3-30B-A3B (transformers 4.x field names), as on the hub.
+HUB_CONFIGS = {
+    "mixtral": dict(architectures=["MixtralForCausalLM"], attention_dropout=0.0, bos_token_id=1, eos_token_id=2,
+                    hidden_act="silu", hidden_size=4096, initializer_range=0.02, intermediate_size=14336,
+                    max_position_embeddings=32768, model_type="mixtral", num_attention_heads=32,
+                    num_experts_per_tok=2, num_hidden_layers=32, num_key_value_heads=8, num_local_experts=8,
+                    output_router_logits=False, rms_norm_eps=1e-05, rope_theta=1e6, router_aux_loss_coef=0.02,
+                    sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16",
+                    transformers_version="4.36.0.dev0", use_cache=True, vocab_size=32000),
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], attention_bias=False, attention_dropout=0.0,
+                      bos_token_id=151643, decoder_sparse_step=1, eos_token_id=151645, head_dim=128,
+                      hidden_act="silu", hidden_size=2048, initializer_range=0.02, intermediate_size=6144,
+                      max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
+                      model_type="qwen3_moe", moe_intermediate_size=768, norm_topk_prob=True,
+                      num_attention_heads=32, num_experts=128, num_experts_per_tok=8, num_hidden_layers=48,
+                      num_key_value_heads=4, output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None,
+                      rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None,
+                      tie_word_embeddings=False, torch_dtype="bfloat16", transformers_version="4.51.0",
+                      use_cache=True, use_sliding_window=False, vocab_size=151936),
+}
+
+
+def test_the_hub_configs_of_mixtral_8x7b_and_qwen3_30b_a3b_map():
+    mixtral, qwen = (model_config_from_hf(HUB_CONFIGS[k]) for k in ("mixtral", "qwen3_moe"))
+    assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_ffn_size, mixtral.rotary_base) == (
+        8, 2, 14336, 1e6)
+    assert not mixtral.qk_layernorm and not mixtral.moe_router_pre_softmax and all(mixtral.moe_layer_pattern(32))
+    assert (qwen.num_experts, qwen.moe_router_topk, qwen.moe_ffn_size, qwen.kv_channels) == (128, 8, 768, 128)
+    assert qwen.qk_layernorm and not qwen.moe_router_pre_softmax and all(qwen.moe_layer_pattern(48))

@@ -151,6 +151,11 @@ COMMANDS: dict[str, str] = {
         "runs/moe-tiny-ep4 --metrics-file runs/moe-tiny-ep4/metrics.jsonl"],
         _TRAINS + " (docs/moe.md records what they printed; tests/moe/test_moe_training.py and "
         "tests/checkpoint/test_moe_checkpoints.py train, resume and reshard MoE layouts at small sizes)"),
+    ".venv/bin/python -c \"import json; f = lambda p: {(r.get('event'), r['iteration']): [r.get(k) for k in ('loss', "
+    "'grad_norm', 'val_loss', 'moe_layers')] for r in map(json.loads, open(p)) if (r.get('iteration') or 0) > 60}; "
+    "b = f('runs/moe-tiny-resumed/metrics.jsonl'); print(len(b), all(f('runs/moe-tiny/metrics.jsonl')[k] == v for k, "
+    "v in b.items()))\"": "reads the metrics of the two docs/moe.md runs above (minutes to make); "
+                          "tests/checkpoint/test_moe_checkpoints.py resumes MoE runs bitwise",
     ".venv/bin/python -m bench.bench_zero": _BENCH,
     "OMP_NUM_THREADS=1 .venv/bin/python -m bench.run --repeats 5 --steps 8": _BENCH,
     "make bench": _BENCH,

@@ -3,6 +3,8 @@
     python3 -m bench.gpu_mfu                     # configs/llama-1b.yaml, 3 warm-up + 10 timed steps
     python3 -m bench.gpu_mfu --config configs/gpt2-xl.yaml --micro-batch-size 8
     python3 -m bench.gpu_mfu --ladder            # eager -> ... -> larger micro-batch, one run
+    python3 -m bench.gpu_mfu --config configs/olmoe-1b-7b.yaml --micro-batch-size 1 --grad-accum 16 \\
+        --device-init --main-grads-dtype bf16 --recompute none   # MoE: MFU of the active FLOPs (one H200)
     python3 -m bench.gpu_mfu --device cpu --config configs/tiny.yaml --vocab-size 8000 \\
         --peak-tflops 1 --warmup 1 --iters 2                  # the arithmetic on a CPU, no GPU needed
 
@@ -14,7 +16,8 @@ token from ``megazero/model/flops.py`` x tokens / step time) and MFU against
 the GPU's dense bf16 peak (``megazero/training/flops.py``; an unknown GPU
 needs ``--peak-tflops``), then the same as one ``GPU_MFU_RESULT {json}`` line.
 Step time is the trainer's: CUDA events from before the batch is copied to
-after the optimizer step.
+after the optimizer step. Any flag this benchmark does not define goes to the run as pretrain_gpt.py
+would take it (after the benchmark's own, so it wins: ``--main-grads-dtype bf16``, ``--recompute none``).
 
 MFU = model FLOPs per token (matmuls only, 2 per multiply-add, training = 3x forward, recomputation
 left out as PaLM defines it) x tokens/s / peak; HFU counts the recomputed forward work too.
@@ -33,7 +36,7 @@ import json
 import os
 import statistics
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +50,9 @@ from megazero.config import Config
 from megazero.memory.params import num_parameters
 from megazero.memory.recompute_choice import resolve_recompute
 from megazero.model.flops import flops_per_token
+from megazero.pipeline import partition
 from megazero.run_plan import RunPlan
+from megazero.tensor_parallel.layers import spec_of
 from megazero.training.flops import device_peak_tflops
 from megazero.training.run import run
 
@@ -76,7 +81,7 @@ def rungs(chunk: int) -> list[Rung]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # others go to the run
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "llama-1b.yaml"), help="model preset (YAML)")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--micro-batch-size", type=int, default=4)
@@ -92,7 +97,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="--ladder: the --compile rungs' backend")
     p.add_argument("--memory-budget-gb", type=float, default=None,
                    help="--recompute auto's budget (default: the GPU's memory; needed on the CPU)")
-    return p.parse_args(argv)
+    p.add_argument("--device-init", action="store_true",
+                   help="draw the initial weights with torch's generator on the run's device instead of megazero's "
+                        "seeded CPU blocks: the same distributions, seconds instead of minutes for billions of "
+                        "weights (OLMoE-1B-7B's 6.9 B); speed does not depend on the values")
+    args, args.run_flags = p.parse_known_args(argv)
+    return args
 
 
 def build_config(args: argparse.Namespace, extra: list[str] = (), micro_batch_scale: int = 1) -> Config:
@@ -110,7 +120,7 @@ def build_config(args: argparse.Namespace, extra: list[str] = (), micro_batch_sc
         flags += ["--vocab-size", str(args.vocab_size)]
     if args.metrics_file:
         flags += ["--metrics-file", args.metrics_file]
-    cfg, _ = parse_config(flags)
+    cfg, _ = parse_config(flags + args.run_flags)
     if cfg.training.recompute == "auto":
         if args.memory_budget_gb is not None:
             cfg = cfg.updated(memory_budget_gb=args.memory_budget_gb)
@@ -139,13 +149,40 @@ def summarise(cfg: Config, records: list[dict], warmup: int, peak_tflops: float 
             "peak_memory_gib": max(r["peak_memory_bytes"] for r in timed) / 2**30, "final_loss": timed[-1]["loss"]}
 
 
+@torch.no_grad()
+def _draw_on_device(module: torch.nn.Module, seed: int, tp_group) -> None:
+    """``initialize_parameters``'s distributions (normal(0, std) or the constant; padded vocabulary rows zero),
+    drawn where each parameter lives by torch's generator. One rank only: the bench runs no TP."""
+    torch.manual_seed(seed)
+    for param in module.parameters():
+        spec = spec_of(param)
+        if spec.init_std is None:
+            param.fill_(spec.init_value)
+        else:
+            param.normal_(0.0, spec.init_std)
+        if spec.valid_rows is not None:
+            param[spec.valid_rows:].zero_()
+
+
+@contextmanager
+def weights_drawn_on_device(enabled: bool):
+    """--device-init: the model build draws with ``_draw_on_device`` while this is open."""
+    seeded = partition.initialize_parameters
+    if enabled:
+        partition.initialize_parameters = _draw_on_device
+    try:
+        yield
+    finally:
+        partition.initialize_parameters = seeded
+
+
 def measure(cfg: Config, args: argparse.Namespace, math_sdpa: bool = False) -> dict:
     """One training run of ``cfg`` in this process, summarised; the process is left as it was found."""
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     try:
-        with sdpa_kernel(SDPBackend.MATH) if math_sdpa else nullcontext():
+        with sdpa_kernel(SDPBackend.MATH) if math_sdpa else nullcontext(), weights_drawn_on_device(args.device_init):
             records = run(cfg, log_fn=lambda line: print(line, flush=True))
     finally:
         if dist.is_initialized():

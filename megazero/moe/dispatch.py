@@ -27,6 +27,7 @@ import torch
 from ..parallel import collectives as C
 from ..tensor_parallel.comm import reduce_scatter_to_sequence_parallel_region
 from .comm import all_gather_rows, all_to_all_rows, all_to_all_rows_overlapped
+from .balance import count_slots
 from .context import ExpertContext
 from .experts import GroupedExperts, expert_ids
 
@@ -76,7 +77,7 @@ def make_plan(experts_TK: torch.Tensor, probs_TK: torch.Tensor, num_experts: int
     tokens, topk = experts_TK.shape
     slot = kept_slots(experts_TK, probs_TK, num_experts, capacity)
     expert = experts_TK.reshape(-1)[slot]
-    per_expert = torch.bincount(expert, minlength=num_experts)
+    per_expert = count_slots(expert, num_experts)  # no host read: the ep 1 path never syncs
     if capacity is None or not capacity.pad:
         return Plan(slot // topk, slot, per_expert)
     cap = capacity.per_expert(tokens, topk, num_experts)
@@ -135,7 +136,7 @@ class AllToAllDispatcher:
         x_src = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))]) if padded else x_TH  # row T: padding
         send = x_src[plan.token]  # by destination rank, then by its local expert
         if ep == 1:
-            return combine_weighted(experts(send, plan.per_expert.tolist()), plan, probs_TK)
+            return combine_weighted(experts(send, plan.per_expert), plan, probs_TK)
         received = torch.empty_like(plan.per_expert)  # [ep * L]: rows for each local expert from each source
         C.all_to_all_single(received, plan.per_expert, group)
         received_EL = received.view(ep, -1)

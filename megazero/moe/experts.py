@@ -46,21 +46,33 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def grouped_linear(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+Counts = list[int] | torch.Tensor  # rows per local expert: a device tensor needs no device-to-host read
+
+
+def counts_on(counts: Counts, device: torch.device) -> torch.Tensor:
+    """``counts`` as an int64 tensor on ``device`` (a tensor already there is returned as is)."""
+    return counts if isinstance(counts, torch.Tensor) else torch.tensor(counts, dtype=torch.int64, device=device)
+
+
+def grouped_linear(x_NI: torch.Tensor, w_LIO: torch.Tensor, counts: Counts) -> torch.Tensor:
     """Rows of ``x_NI`` (sorted by expert, ``counts[l]`` for expert l) times their expert's ``w_LIO``.
 
-    No rows at all (no token reached this rank's experts) takes the loop: an empty gradient keeps its stride 0
-    through ``contiguous()``, which the grouped GEMM's backward refuses."""
+    The grouped GEMM takes its offsets on the device, so tensor counts never sync with the host (on GPU a
+    read there would drain the launch queue in every MoE layer). No rows at all (no token reached this
+    rank's experts) takes the loop: an empty gradient keeps its stride 0 through ``contiguous()``, which the
+    grouped GEMM's backward refuses."""
     if x_NI.shape[0] and grouped_mm_supported(x_NI, w_LIO):
-        offs = torch.tensor(counts, device=x_NI.device).cumsum(0).to(torch.int32)
+        offs = counts_on(counts, x_NI.device).cumsum(0).to(torch.int32)
         return _ContiguousGrad.apply(torch._grouped_mm(x_NI, w_LIO, offs=offs))
-    pieces = [rows @ w for rows, w in zip(x_NI.split(counts), w_LIO)]
+    sizes = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    pieces = [rows @ w for rows, w in zip(x_NI.split(sizes), w_LIO)]
     return torch.cat(pieces) if pieces else x_NI.new_empty((0, w_LIO.shape[-1]))
 
 
-def expert_ids(counts: torch.Tensor) -> torch.Tensor:
-    """The local expert of each row of a block sorted by expert: [0]*counts[0] + [1]*counts[1] + ..."""
-    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)
+def expert_ids(counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """The local expert of each row of a block sorted by expert: [0]*counts[0] + [1]*counts[1] + ...
+    ``rows`` (the total, when the caller knows it) spares the device-to-host read of the sum."""
+    return torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts, output_size=rows)
 
 
 class GroupedExperts(nn.Module):
@@ -93,13 +105,13 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         return f"local experts {self.num_local}, ep {self.ctx.ep}, etp {self.ctx.etp}, grouped"
 
-    def forward(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_NH: torch.Tensor, counts: Counts) -> torch.Tensor:
         """``x_NH`` sorted by local expert, ``counts[l]`` rows for expert l -> each row through its expert."""
         etp_group = self.ctx.etp_group
         if self.ctx.etp == 1:
             y_NH = self._ffn(x_NH, counts)
         else:
-            mine = torch.tensor([counts], device=x_NH.device)
+            mine = counts_on(counts, x_NH.device).unsqueeze(0)
             every = mine.new_empty((self.ctx.etp, len(counts)))
             C.all_gather_into_tensor(every, mine, etp_group)  # [etp, L]: the rows each etp rank holds
             sizes = every.sum(1).tolist()
@@ -110,16 +122,16 @@ class GroupedExperts(nn.Module):
             y_NH = reduce_scatter_uneven_rows(partial[torch.argsort(order)], etp_group, sizes)
         if self.fc2_bias is not None:
             bias = sum_grad_over(self.fc2_bias, etp_group)  # whole on each etp rank, applied to its own rows
-            y_NH = y_NH + bias[expert_ids(torch.tensor(counts, device=x_NH.device))]
+            y_NH = y_NH + bias[expert_ids(counts_on(counts, x_NH.device), x_NH.shape[0])]
         return y_NH
 
-    def _ffn(self, x_NH: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def _ffn(self, x_NH: torch.Tensor, counts: Counts) -> torch.Tensor:
         """fc2(act(fc1 x)) on this etp rank's slice of F: the full output at etp 1, a partial sum otherwise."""
         h_NF = grouped_linear(x_NH, self.fc1_weight, counts)
         if self.gate_weight is not None:
             h_NF = F.silu(grouped_linear(x_NH, self.gate_weight, counts)) * h_NF
         else:
             assert self.fc1_bias is not None, "GELU experts have biases"
-            h_NF = F.gelu(h_NF + self.fc1_bias[expert_ids(torch.tensor(counts, device=x_NH.device))],
+            h_NF = F.gelu(h_NF + self.fc1_bias[expert_ids(counts_on(counts, x_NH.device), x_NH.shape[0])],
                           approximate="tanh")
         return grouped_linear(h_NF, self.fc2_weight, counts)

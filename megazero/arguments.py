@@ -91,4 +91,4 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py
         if key != "config" and key not in extra_names:
             settings[key] = value
     explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
-    return Config.from_flat(settings, explicit=explicit), ns
+    return Config.from_flat(settings, explicit=explicit, model_pending=bool(settings.get("load"))), ns

@@ -254,6 +254,9 @@ SECTIONS: dict[str, type] = {
 }
 
 
+MODEL_FIELDS = frozenset(f.name for f in fields(ModelConfig))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole run, frozen: built by ``from_flat``, changed only by ``updated`` (which re-validates)."""
@@ -270,15 +273,22 @@ class Config:
     checkpoint's model. Not a flag and not in ``to_flat()``."""
 
     @classmethod
-    def from_flat(cls, settings: dict[str, Any], explicit: frozenset[str] = frozenset()) -> "Config":
+    def from_flat(cls, settings: dict[str, Any], explicit: frozenset[str] = frozenset(),
+                  model_pending: bool = False) -> "Config":
         """Route each flat key to its section; an unknown key is an error naming it. A setting given
         (``explicit``, or off its default) that cannot apply to this run is refused; ``updated`` does not
-        refuse, since what it changes is the program's derivation (a planner's candidate), not the user's."""
+        refuse, since what it changes is the program's derivation (a planner's candidate), not the user's.
+        ``model_pending``: a --load checkpoint may still supply the model settings not given (``--load ckpt
+        --ep 2`` needs no --num-experts), so the settings that depend on those wait for ``refuse_inapplicable``."""
         per_section = _by_section(settings)
         config = cls(**{section: SECTIONS[section](**per_section.get(section, {})) for section in SECTIONS},
                      explicit=explicit)
-        check_applicable([getattr(config, section) for section in SECTIONS], explicit)
+        config.refuse_inapplicable(MODEL_FIELDS - explicit if model_pending else frozenset())
         return config
+
+    def refuse_inapplicable(self, pending: frozenset[str] = frozenset()) -> None:
+        """Refuse a setting given that cannot apply to this run, except those that depend on ``pending`` ones."""
+        check_applicable([getattr(self, section) for section in SECTIONS], self.explicit, pending)
 
     def updated(self, **settings: Any) -> "Config":
         """A copy with these flat settings changed; every changed section validates itself again."""

@@ -179,15 +179,18 @@ def _refuse(value: Any, expected: str, names: str) -> NoReturn:
                       f"{expected} in the YAML preset or on the command line.")
 
 
-def check_applicable(sections: list[Any], given: frozenset[str]) -> None:
-    """Refuse the first setting in ``given`` (or off its default) that its ``applies`` says this run ignores."""
+def check_applicable(sections: list[Any], given: frozenset[str], pending: frozenset[str] = frozenset()) -> None:
+    """Refuse the first setting in ``given`` (or off its default) that its ``applies`` says this run ignores.
+
+    A setting whose ``applies`` reads a ``pending`` one (not known yet: a --load checkpoint supplies it) waits.
+    """
     values = {f.name: getattr(s, f.name) for s in sections for f in fields(s)}
     shortest = {f.name: min((flag(f.name), *f.metadata.get("aliases", ())), key=len) for s in sections
                 for f in fields(s)}  # "--cp 1" reads better than "--context-parallel-size 1"
     for section in sections:
         for f in fields(section):
             needs, value = f.metadata.get("applies"), values[f.name]
-            if needs is None or (f.name not in given and value == f.default):
+            if needs is None or (f.name not in given and value == f.default) or pending & set(needs.on):
                 continue
             if not needs.test(*(values[name] for name in needs.on)):
                 shown = f"{flag(f.name)} {value}"

@@ -28,6 +28,7 @@ from . import rng_streams, storage
 from .placement import model_tensors, named_parameters, region_of
 from .save import KINDS
 from .slices import Region, intersect, relative
+from .overridable import OVERRIDABLE_KEYS
 from .validate import saved_pieces
 
 # ModelConfig fields that do not define the saved weights: free to differ from the checkpoint
@@ -129,7 +130,7 @@ def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
         # no position table to fit, but the model's context length (an HF export's max_position_embeddings):
         # kept, or raised to a longer --seq-length
         merged["max_position_embeddings"] = max(_meaning(saved, "max_position_embeddings"), merged["seq_length"])
-    for key in [k for k in model_keys() if k in cfg.explicit]:  # field order: a cause before what it implies
+    for key in [k for k in model_keys() if k in cfg.explicit - set(OVERRIDABLE_KEYS)]:  # a cause before its effect
         if key == "max_position_embeddings" and saved["arch"] == "llama":
             continue
         if key == "vocab_size" and saved["vocab_size"] is None:

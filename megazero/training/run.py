@@ -18,6 +18,7 @@ from torch import nn
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
 from ..checkpoint.checkpointer import open_checkpointer
+from ..checkpoint.overridable import overrides_line
 from ..config import Config, ConfigError
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
@@ -53,6 +54,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) ->
     ``ranks_per_node`` (torchrun's LOCAL_WORLD_SIZE; None = one node) places ranks on nodes
     as torchrun numbers them, so a TP group that would span nodes is refused here.
     """
+    cfg.refuse_inapplicable()  # what parsing left for a --load checkpoint's model (``Config.from_flat``)
     plan = RunPlan.resolve(cfg, world_size)
     check_tp_inside_nodes(plan.layout, contiguous_nodes(world_size, ranks_per_node or world_size),
                           cfg.parallel.allow_tp_across_nodes)
@@ -264,6 +266,8 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
     if found:
         say(f"megazero: model settings taken from the checkpoint's metadata"
             f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")
+        if overridden := overrides_line(found[1], cfg):
+            say(overridden)
     seed_everything(cfg.training.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
         f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")

@@ -5,8 +5,9 @@ A assignments that travel. An assignment is one (token, choice) pair; its "slot"
 the flattened [T, k] routing.
 
 - ``AllToAllDispatcher`` (default): counts per (source rank, expert) are exchanged first, then the
-  token rows with uneven splits; a receiver sorts them by local expert, runs its experts, unsorts
-  and sends the outputs back. Routing weights never travel: the weighting and the sum over the k
+  token rows with uneven splits (a rank's rows for its own experts stay home and run while the
+  others travel); a receiver sorts them by local expert, runs its experts, unsorts and sends the
+  outputs back. Routing weights never travel: the weighting and the sum over the k
   choices happen where the token lives.
 - ``AllGatherDispatcher``: every rank of the ep group gathers all its tokens (and weights), runs its
   experts on those routed to them, weights them and reduce-scatters the sums home.
@@ -26,8 +27,8 @@ import torch
 
 from ..parallel import collectives as C
 from ..tensor_parallel.comm import reduce_scatter_to_sequence_parallel_region
-from .comm import all_gather_rows, all_to_all_rows, all_to_all_rows_overlapped
 from .balance import count_slots
+from .comm import all_gather_rows, all_to_all_rows, all_to_all_rows_overlapped
 from .context import ExpertContext
 from .experts import GroupedExperts, expert_ids
 

@@ -10,6 +10,8 @@ equals ``count_parameters`` of the built model, vocabulary padding included):
                             (+ h bias, gpt2)                               replicated
                 mlp         gpt2: f h + f + h f (split), + h bias (replicated)
                             llama: 3 f h (gate, up, down; split)
+    MoE layer   the router E h (replicated) and a shared expert (split) in the mlp's place;
+                the routed experts are counted apart (``experts.py``: E / ep per rank, split over etp)
     embedding   V_pad h (split) + P h learned positions (gpt2, replicated)
     head        final norm (replicated) + V_pad h output (split; only when untied)
 
@@ -37,6 +39,7 @@ from dataclasses import dataclass
 from ..config import ModelConfig
 from ..dtypes import DTYPES
 from ..run_plan import ZeroStage
+from .experts import expert_params, mlp_split_params, moe_mlp_params, moe_mlp_numels
 
 
 @dataclass(frozen=True)
@@ -65,18 +68,20 @@ def _norm(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size if cfg.arch == "gpt2" else cfg.hidden_size
 
 
-def block_params(cfg: ModelConfig) -> ParamCount:
+def block_params(cfg: ModelConfig, layer_id: int = 0) -> ParamCount:
+    """One block's parameters; an MoE layer's MLP slot holds the router and shared expert (the routed experts
+    are counted apart, ``experts.py``)."""
     h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
     bias = cfg.arch == "gpt2"
     split = qkv * h + (qkv if bias else 0) + h * cfg.num_attention_heads * d
-    if cfg.arch == "gpt2":
-        split += f * h + f + h * f
-    else:
-        split += 3 * f * h
-    replicated = 2 * _norm(cfg) + (2 * h if bias else 0)  # norms, proj and fc2 biases
+    replicated = 2 * _norm(cfg) + (h if bias else 0)  # norms, the proj bias
     replicated += 2 * d if cfg.qk_layernorm else 0  # the q and k head norms
-    return ParamCount(split, replicated)
+    if cfg.num_experts is not None and cfg.is_moe_layer(layer_id):  # a dense model never parses the pattern
+        mlp_split, mlp_replicated = moe_mlp_params(cfg)
+    else:
+        mlp_split, mlp_replicated = mlp_split_params(cfg, f), (h if bias else 0)  # + the fc2 bias
+    return ParamCount(split + mlp_split, replicated + mlp_replicated)
 
 
 def embedding_params(cfg: ModelConfig, tp: int, with_positions: bool) -> ParamCount:
@@ -92,13 +97,14 @@ def head_params(cfg: ModelConfig, tp: int) -> ParamCount:
 
 def num_parameters(cfg: ModelConfig, tp: int = 1) -> int:
     """Parameters of the full model, as ``megazero.model.gpt.count_parameters`` counts them."""
-    total = block_params(cfg) * cfg.num_layers
+    total = sum((block_params(cfg, i) for i in range(cfg.num_layers)), ParamCount())
     total = total + embedding_params(cfg, tp, cfg.arch == "gpt2") + head_params(cfg, tp)
-    return total.full
+    return total.full + expert_params(cfg)
 
 
-def block_param_numels(cfg: ModelConfig, tp: int) -> list[int]:
-    """One block's parameters on one TP rank, in registration order (norm1, qkv, proj, norm2, mlp)."""
+def block_param_numels(cfg: ModelConfig, tp: int, layer_id: int = 0) -> list[int]:
+    """One block's dense parameters on one TP rank, in registration order (norm1, qkv, proj, norm2, mlp; an MoE
+    layer's router and shared expert in the mlp's place)."""
     h, f, gpt2 = cfg.hidden_size, cfg.ffn_size, cfg.arch == "gpt2"
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim // tp
     norm = [h, h] if gpt2 else [h]
@@ -106,19 +112,20 @@ def block_param_numels(cfg: ModelConfig, tp: int) -> list[int]:
         [qkv * h, h * cfg.num_attention_heads * cfg.head_dim // tp]
     attn += [cfg.head_dim, cfg.head_dim] if cfg.qk_layernorm else []  # q_norm, k_norm (after proj)
     mlp = [f // tp * h, f // tp, h * f // tp, h] if gpt2 else [f // tp * h, f // tp * h, h * f // tp]
-    return norm + attn + norm + mlp
+    return norm + attn + norm + (moe_mlp_numels(cfg, tp) if cfg.num_experts and cfg.is_moe_layer(layer_id) else mlp)
 
 
 def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool,
-                       post_process: bool) -> list[int]:
-    """Element counts of one chunk's parameters on one TP rank, in ``GPTModel`` registration order
-    (the word embedding first when the chunk has one): what the optimizer's buckets are cut from."""
+                       post_process: bool, first_layer: int = 0) -> list[int]:
+    """Element counts of one chunk's dense parameters on one TP rank, in ``GPTModel`` registration order
+    (the word embedding first when the chunk has one; blocks from global layer ``first_layer``): what the
+    optimizer's dense buckets are cut from."""
     numels: list[int] = []
     if pre_process or (post_process and cfg.tied_embeddings):
         numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
         if pre_process and cfg.arch == "gpt2":
             numels.append(cfg.position_table_size * cfg.hidden_size)
-    numels += block_param_numels(cfg, tp) * num_blocks
+    numels += [n for i in range(first_layer, first_layer + num_blocks) for n in block_param_numels(cfg, tp, i)]
     if post_process:
         numels += [cfg.hidden_size] * (2 if cfg.arch == "gpt2" else 1)  # final norm weight (, bias)
         if not cfg.tied_embeddings:
@@ -127,21 +134,23 @@ def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: 
 
 
 def chunk_param_units(cfg: ModelConfig, num_blocks: int, pre_process: bool, post_process: bool,
-                      layers_per_unit: int) -> list[int]:
+                      layers_per_unit: int, first_layer: int = 0) -> list[int]:
     """The ZeRO-3 unit of each parameter of ``chunk_param_numels``, as ``data_parallel.zero3.plan_units``
     groups them: 0 is the chunk's root unit (embeddings, final norm, head), block i is in unit
     1 + i // layers_per_unit."""
     embedding = 1 if (pre_process or (post_process and cfg.tied_embeddings)) else 0
     embedding += 1 if embedding and pre_process and cfg.arch == "gpt2" else 0
     tail = (2 if cfg.arch == "gpt2" else 1) + (0 if cfg.tied_embeddings else 1) if post_process else 0
-    per_block = len(block_param_numels(cfg, 1))
-    blocks = [1 + i // layers_per_unit for i in range(num_blocks) for _ in range(per_block)]
+    blocks = [1 + i // layers_per_unit for i in range(num_blocks)
+              for _ in block_param_numels(cfg, 1, first_layer + i)]
     return [0] * embedding + blocks + [0] * tail
 
 
-def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool) -> int:
-    """Parameters one rank holds for one model chunk (TP shard; the tied embedding copy included)."""
-    total = block_params(cfg) * num_blocks
+def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool,
+                 first_layer: int = 0) -> int:
+    """Dense parameters one rank holds for one model chunk (TP shard; the tied embedding copy included; blocks
+    from global layer ``first_layer``; the routed experts apart, ``moe_plan.py``)."""
+    total = sum((block_params(cfg, i) for i in range(first_layer, first_layer + num_blocks)), ParamCount())
     if pre_process or (post_process and cfg.tied_embeddings):
         total = total + embedding_params(cfg, tp, pre_process and cfg.arch == "gpt2")
     if post_process:

@@ -27,6 +27,7 @@ from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
                      num_parameters)
+from .moe_plan import ExpertStage, add_experts, expert_stage, moe_lines
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -112,6 +113,7 @@ class PlanSpec:
                 "schedule": self.schedule, "vp": r.virtual_stages, "precision": DTYPE_NAMES[r.compute_dtype],
                 "main_grads_dtype": DTYPE_NAMES[r.main_grads_dtype], "bucket_size": self.cfg.parallel.bucket_size,
                 "device": self.device, "layers_per_unit": g.layers_per_unit, "prefetch": g.prefetch,
+                "ep": r.ep, "etp": r.etp, "edp": r.layout.expert.edp,
                 "reshard_after_forward": g.reshard_after_forward, "grad_reduction": r.grad_reduction.value,
                 "offload_optimizer": where.optimizer_state.flag_word, "offload_params": where.parameters.flag_word,
                 "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size,
@@ -135,6 +137,7 @@ class StagePlan:
     optimizer_disk_bytes: float = 0.0  # offload to disk: the rank's state file
     params_host_bytes: float = 0.0  # ZeRO 3 + --offload-params: shards (or staged units) on the host
     params_disk_bytes: float = 0.0
+    experts: ExpertStage = field(default_factory=ExpertStage)  # MoE: the experts' share, included above (moe_plan)
 
     @property
     def host_bytes(self) -> float:
@@ -189,23 +192,25 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     cfg, a, run, where = spec.model, spec.activation_spec(), spec.run, spec.run.placement
     blocks = cfg.num_layers // (run.pp * run.virtual_stages)
     first, last = stage == 0, stage == run.pp - 1
-    chunks = [(c == 0 and first, c == run.virtual_stages - 1 and last) for c in range(run.virtual_stages)]
-    params = sum(chunk_params(cfg, run.tp, blocks, pre, post) for pre, post in chunks)
+    chunks = [(c == 0 and first, c == run.virtual_stages - 1 and last, (c * run.pp + stage) * blocks)
+              for c in range(run.virtual_stages)]  # (embedding?, head?, first layer)
+    params = sum(chunk_params(cfg, run.tp, blocks, pre, post, layer) for pre, post, layer in chunks)
     in_flight = in_flight_micro_batches(spec.schedule, run.pp, stage, run.micro_batches, run.virtual_stages)
-    state = _model_state(spec, params, blocks, chunks, in_flight)
+    moe = expert_stage(spec.cfg, run, a, stage, in_flight, spec.bytes_per_param())
+    state = add_experts(_model_state(spec, params, blocks, chunks, in_flight), moe)
     w, _, _ = spec.bytes_per_param()
-    shards = _state_shards(spec, blocks, chunks)
+    shards = _state_shards(spec, blocks, chunks) + moe.shards
     off = offload_bytes(shards, w, where.optimizer_state, where.parameters, where.offload_buffers,
                         where.offload_buffer_size)
     optimizer = 0.0 if where.optimizer_state.offloaded else state.optimizer  # on the device
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.cfg.training.recompute_num_layers)
     with_extras = -(-in_flight // run.virtual_stages)  # chunk-forwards of the chunk holding the embedding or head
-    activations = in_flight * per_chunk_forward
-    for pre, post in chunks:
+    activations = in_flight * per_chunk_forward + moe.activations_bytes
+    for pre, post, _ in chunks:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
     # the logits (all of them, or one chunk with --cross-entropy-chunk-size) and their fp32 copy
-    transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a),
+    transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a) + moe.transient_bytes,
                     head_working_bytes(cfg, a) if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
     return StagePlan(stage=stage, params_on_rank=params, in_flight=in_flight,
@@ -214,10 +219,10 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
                      transient_bytes=transient, persistent_bytes=state.persistent - moved,
                      params_peak_bytes=state.params_peak - off.params_device, shard_elements=sum(shards),
                      optimizer_host_bytes=off.optimizer_host, optimizer_disk_bytes=off.optimizer_disk,
-                     params_host_bytes=off.params_host, params_disk_bytes=off.params_disk)
+                     params_host_bytes=off.params_host, params_disk_bytes=off.params_disk, experts=moe)
 
 
-def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool]],
+def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool, int]],
                  in_flight: int) -> PeakState:
     """Params, grads and optimizer bytes at the step's high-water mark, and the persistent state."""
     run = spec.run
@@ -236,7 +241,7 @@ def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bo
                      persistent=state.params + grads.persistent + state.optimizer, params_peak=state.params)
 
 
-def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
+def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool, int]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of each chunk's buckets on this stage in the order their gradients arrive
     (ZeRO 3's units cut them; ZeRO 2 needs them unless full-size gradients accumulate, ZeRO 0/1 never)."""
     run = spec.run
@@ -245,14 +250,14 @@ def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]])
     return _bucket_layout(spec, blocks, chunks)
 
 
-def _bucket_layout(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[list[tuple[int, int]]]:
+def _bucket_layout(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool, int]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of every bucket of each chunk on this stage, in backward order."""
     cfg, run = spec.model, spec.run
     tied = run.pp > 1 and cfg.tied_embeddings
     out = []
-    for pre, post in chunks:
-        numels = chunk_param_numels(cfg, run.tp, blocks, pre, post)
-        units = chunk_param_units(cfg, blocks, pre, post, spec.gathering.layers_per_unit) \
+    for pre, post, layer in chunks:
+        numels = chunk_param_numels(cfg, run.tp, blocks, pre, post, layer)
+        units = chunk_param_units(cfg, blocks, pre, post, spec.gathering.layers_per_unit, layer) \
             if run.zero.shards_parameters else [0] * len(numels)
         buckets = unit_buckets(numels, units, spec.cfg.parallel.bucket_size, _num_shards(run), tied and (pre or post))
         if tied and post and not pre:  # the last stage's embedding copy is the head: its gradient comes first
@@ -266,7 +271,7 @@ def _num_shards(run: RunPlan) -> int:
     return run.dp * run.cp if run.zero.shards_optimizer_state else 1
 
 
-def _state_shards(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool]]) -> list[int]:
+def _state_shards(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool, int]]) -> list[int]:
     """Shard elements of every bucket this rank's optimizer holds (the whole padded bucket under ZeRO 0)."""
     return [n // _num_shards(spec.run) for c in _bucket_layout(spec, blocks, chunks) for _, n in c]
 
@@ -287,7 +292,7 @@ def format_plan(plan: MemoryPlan) -> str:
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
              f"sp {s.sequence_parallel}",
-             *_offload_lines(plan), *document_lines(s.cfg, r.cp_split.ring),
+             *_offload_lines(plan), *document_lines(s.cfg, r.cp_split.ring), *moe_lines(s.cfg, r, plan.peak.experts),
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
              f"{'transient':>9} {'total':>8}"]
@@ -357,7 +362,8 @@ def _layout_words(r: RunPlan) -> str:
     """'tp=2 cp=4 (p2p) pp=1 dp=2 (world 16)': the degrees, cp with its attention variant."""
     cp = f"{r.cp} ({r.cp_comm_type}{f' U={r.cp_split.a2a}' if r.cp_comm_type == 'a2a+p2p' else ''})" \
         if r.cp > 1 else "1"
-    return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp} (world {r.world_size})"
+    experts = f" ep={r.ep} etp={r.etp} edp={r.layout.expert.edp}" if r.ep > 1 or r.etp != r.tp else ""
+    return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp}{experts} (world {r.world_size})"
 
 
 def _zero2_grads(r: RunPlan) -> str:

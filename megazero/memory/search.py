@@ -20,6 +20,9 @@ it ranks layouts rather than predicting wall time to the percent):
               (8 more with recompute); a2a+p2p: both, over
               U and cp/U ranks; intra-node bandwidth when tp x cp fits in a node
             + PP: 2 x s_l b h e / r bytes sent per stage boundary at inter-node bandwidth
+            + EP (MoE, ``moe_plan.dispatch_seconds``): per MoE layer 4 all-to-alls (6 with full recompute) of
+              the (ep-1)/ep of the k T rows of H that leave the rank (balanced routing assumed when
+              dropless), intra-node when etp x ep fits in a node
     step    t_mb x (m + (pp - 1) / vp)                  (the 1F1B/interleaved bubble)
             + DP over the dp x cp ranks that share the weights (D = dp cp): zero 0 all-reduce
               2 (D-1)/D P g; zero 1/2 reduce-scatter (D-1)/D P g (m times with --reduce-every-micro-batch)
@@ -27,7 +30,8 @@ it ranks layouts rather than predicting wall time to the percent):
               per micro-batch: reduce-scatter (D-1)/D P g + all-gathers (D-1)/D P w, twice with
               reshard-after-forward (forward, backward) (under pipelining kept units may be
               gathered once for several micro-batches: an upper bound); intra-node bandwidth when
-              tp x cp x dp fits in a node.
+              tp x cp x dp fits in a node. Expert weights (MoE): the same over their edp ranks, with P
+              the expert weights per rank, intra-node when a stage's ranks fit in a node.
             + offload (``offload.py``; ASSUMED bandwidths, no overlap): host<->device copies,
               the CPU AdamW, the disk tier's reads and writes.
 
@@ -51,6 +55,7 @@ from ..run_plan import ZeroStage
 from .activations import kv_heads_per_rank
 from .documents import document_lines, planned_attended_share, ring_hop_shares
 from .offload import OffloadHardware, describe
+from .moe_plan import dispatch_seconds, expert_layouts
 from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
 
 DEVICE, HOST, DISK = Placement.DEVICE, Placement.HOST, Placement.DISK
@@ -120,19 +125,31 @@ def step_time(spec: PlanSpec, plan: MemoryPlan, hw: Hardware) -> float:
         per = 2 * (run.tp - 1) / run.tp * act / hw.intra_node_bandwidth
         tp_comm = layers * (6 if t.recompute == "full" else 4) * per
     pp_comm = 2 * act / a.shard / hw.inter_node_bandwidth if run.pp > 1 else 0.0
-    t_mb = compute + tp_comm + layers * cp_seconds(spec, hw) + pp_comm
+    moe_layers = max(s.experts.moe_layers for s in plan.stages)
+    ep_bw = hw.intra_node_bandwidth if run.etp * run.ep <= hw.gpus_per_node else hw.inter_node_bandwidth
+    t_mb = (compute + tp_comm + layers * cp_seconds(spec, hw) + pp_comm
+            + dispatch_seconds(spec.cfg, run, a, moe_layers, ep_bw))
     pipeline = t_mb * (run.micro_batches + (run.pp - 1) / run.virtual_stages)
+    dense = _sync_seconds(spec, max(s.params_on_rank for s in plan.stages), spec.shard_ranks,
+                          run.tp * spec.shard_ranks, hw)  # dp x cp ranks hold the same dense weights
+    experts = _sync_seconds(spec, max(s.experts.params_on_rank for s in plan.stages), run.layout.expert.edp,
+                            run.world_size // run.pp, hw)
+    return pipeline + dense + experts + plan.offload_seconds(hw.offload)
+
+
+def _sync_seconds(spec: PlanSpec, params: int, shared: int, span: int, hw: Hardware) -> float:
+    """Gradient reductions and parameter gathers of ``params`` weights per rank over the ``shared`` ranks holding
+    them, ``span`` consecutive ranks apart at most (intra-node when they fit in a node; module docstring)."""
+    run = spec.run
     w, g, _ = spec.bytes_per_param()
-    params = max(s.params_on_rank for s in plan.stages)
-    shared = spec.shard_ranks  # dp x cp ranks hold the same weights
-    bw = hw.intra_node_bandwidth if run.tp * shared <= hw.gpus_per_node else hw.inter_node_bandwidth
+    bw = hw.intra_node_bandwidth if span <= hw.gpus_per_node else hw.inter_node_bandwidth
     frac = (shared - 1) / shared
     reduce_scatters = 1 if run.grad_reduction.keeps_full_grads else run.micro_batches  # --reduce-every-micro-batch
     sharded = frac * params * (reduce_scatters * g + w)
     dp_bytes = sharded if run.zero.shards_optimizer_state else 2 * frac * params * g
     if run.zero.shards_parameters:
         dp_bytes = run.micro_batches * frac * params * (g + w * (2 if spec.gathering.reshard_after_forward else 1))
-    return pipeline + dp_bytes / bw + plan.offload_seconds(hw.offload)
+    return dp_bytes / bw
 
 
 @dataclass
@@ -179,21 +196,23 @@ def search_layouts(cfg: Config, hw: Hardware, micro_batch_sizes: tuple[int, ...]
                         continue
                     if pp > 1 and global_batch_size // (mbs * dp) < pp:
                         continue  # 1F1B with fewer micro-batches than stages is all bubble
-                    found += _layouts(cfg, hw, offload, device, tp=tp, cp=cp, pp=pp, mbs=mbs,
-                                      zeros=tuple(ZeroStage) if dp * cp > 1 else (ZeroStage.NONE,),
-                                      recomputes=recomputes)
+                    for ep, etp in expert_layouts(cfg, tp, hw.gpus // pp):  # MoE: ep and etp too
+                        found += _layouts(cfg, hw, offload, device, tp=tp, cp=cp, pp=pp, mbs=mbs, ep=ep, etp=etp,
+                                          zeros=tuple(ZeroStage) if dp * cp > 1 else (ZeroStage.NONE,),
+                                          recomputes=recomputes)
     return sorted(found, key=lambda c: (c.step_seconds, c.peak_bytes))
 
 
 def _layouts(cfg: Config, hw: Hardware, offload: bool, device: str, *, tp: int, cp: int, pp: int, mbs: int,
-             zeros: tuple[ZeroStage, ...], recomputes: tuple[str, ...]) -> list[Candidate]:
-    """The fitting candidates of one (tp, cp, pp, micro-batch) over ZeRO stages and recompute modes."""
+             ep: int, etp: int | None, zeros: tuple[ZeroStage, ...], recomputes: tuple[str, ...]) -> list[Candidate]:
+    """The fitting candidates of one (tp, cp, pp, micro-batch, ep, etp) over ZeRO stages and recompute modes."""
     found = []
     for zero in zeros:
         for rc in recomputes:
             layout = cfg.updated(tensor_model_parallel_size=tp, context_parallel_size=cp, cp_comm_type="p2p",
                                  cp_a2a_size=None, pipeline_model_parallel_size=pp, zero=int(zero),
                                  micro_batch_size=mbs, sequence_parallel=tp > 1, recompute=rc,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                  recompute_num_layers=None, pipeline_schedule=None, virtual_pipeline_size=None,
                                  num_layers_per_virtual_pipeline_stage=None, offload_optimizer=DEVICE.flag_word,
                                  offload_params=DEVICE.flag_word, offload_path=None)  # offload: only if needed
@@ -233,17 +252,20 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> st
         return (f"no layout fits {hw.gpus} x {hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB "
                 f"per GPU); add GPUs, shorten --seq-length or lower --global-batch-size.")
     offload = any(c.offload_only for c in cands[:top])  # columns of the offload placement, when one is listed
+    moe = cands[0].spec.model.num_experts is not None  # the ep and etp columns
     best = cands[0].spec.run
     tokens = cands[0].spec.model.seq_length * best.micro_batch_size * best.micro_batches * best.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
              *document_lines(cands[0].spec.cfg, best.cp_split.ring),  # the share shown is the best layout's
-             f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'zero':>4} {'mbs':>4} {'m':>4} {'recompute':>9} "
+             f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4}{' ep'.rjust(4) + ' etp' if moe else ''} {'zero':>4} "
+             f"{'mbs':>4} {'m':>4} {'recompute':>9} "
              f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"
              + (f" {'offload':>14} {'host':>6} {'disk':>6} {'offl s':>6}" if offload else "")]
     for i, c in enumerate(cands[:top]):
         r, st = c.spec.run, c.plan.peak
-        lines.append(f"{'*' if i == 0 else ' '} {r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4} {int(r.zero):>4} "
+        lines.append(f"{'*' if i == 0 else ' '} {r.tp:>3} {r.cp:>3} {r.pp:>3} {r.dp:>4}"
+                     f"{f' {r.ep:>3} {r.etp:>3}' if moe else ''} {int(r.zero):>4} "
                      f"{r.micro_batch_size:>4} {r.micro_batches:>4} {c.spec.cfg.training.recompute:>9} "
                      f"{st.model_state_bytes / GIB:7.1f} {st.activations_bytes / GIB:7.1f} {st.total_bytes / GIB:7.1f} "
                      f"{c.step_seconds:7.2f} {tokens / c.step_seconds / hw.gpus:9.0f}"

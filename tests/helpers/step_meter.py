@@ -122,9 +122,9 @@ class StepStateMeter:
 
 def run_metered(pstate: ParallelState, cfg: Config, steps: int = 2,
                 on_built: Callable[[list[torch.nn.Module], DistributedOptimizer], None] = lambda chunks, opt: None,
-                ) -> tuple[DistributedOptimizer, dict[str, Any]]:
+                meter_type: type[StepStateMeter] = StepStateMeter) -> tuple[DistributedOptimizer, dict[str, Any]]:
     """Build ``cfg``'s training model (``on_built`` sees it before the first step) and run ``steps`` real steps
-    (model, ZeRO optimizer, schedule) under a ``StepStateMeter``: (the optimizer, the meter's record)."""
+    (model, ZeRO optimizer, schedule) under a ``meter_type`` meter: (the optimizer, the meter's record)."""
     torch.manual_seed(cfg.training.seed)
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
     chunks = build_model_chunks(cfg, plan, pstate)
@@ -132,7 +132,7 @@ def run_metered(pstate: ParallelState, cfg: Config, steps: int = 2,
     on_built(chunks, opt)
     schedule = build_schedule(plan)
     batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
-    with StepStateMeter(opt) as meter:
+    with meter_type(opt) as meter:
         for _ in range(steps):
             opt.zero_grad()
             schedule(chunks, batches.next_step(), pstate, opt.no_sync)

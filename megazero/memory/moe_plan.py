@@ -191,6 +191,11 @@ def add_experts(dense: PeakState, experts: ExpertStage) -> PeakState:
                      params_peak=dense.params_peak + experts.params_bytes)
 
 
+def expert_words(run: RunPlan) -> str:
+    """' ep=2 etp=1 edp=2' where the expert grid is not the dense one (ep > 1 or etp != tp), else ''."""
+    return f" ep={run.ep} etp={run.etp} edp={run.layout.expert.edp}" if run.ep > 1 or run.etp != run.tp else ""
+
+
 def moe_lines(cfg: Config, run: RunPlan, moe: ExpertStage) -> list[str]:
     """What the plan's MoE figures are and what they assume (nothing for a dense model)."""
     m = cfg.model

@@ -27,7 +27,7 @@ from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
                      num_parameters)
-from .moe_plan import ExpertStage, add_experts, expert_stage, moe_lines
+from .moe_plan import ExpertStage, add_experts, expert_stage, expert_words, moe_lines
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -335,7 +335,8 @@ def format_rows(plans: list[MemoryPlan]) -> str:
                      f"{st.activations_bytes / GIB:7.2f} {st.total_bytes / GIB:7.2f}"
                      + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
-    lines += document_lines(plans[0].spec.cfg, plans[0].spec.run.cp_split.ring)
+    first = plans[0].spec  # the assumptions (the MoE line: the first plan's peak stage)
+    lines += document_lines(first.cfg, first.run.cp_split.ring) + moe_lines(first.cfg, first.run, plans[0].peak.experts)
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")
     if any(p.spec.run.zero == ZeroStage.GRADIENTS and p.spec.run.micro_batches > 1 for p in plans):
@@ -362,8 +363,7 @@ def _layout_words(r: RunPlan) -> str:
     """'tp=2 cp=4 (p2p) pp=1 dp=2 (world 16)': the degrees, cp with its attention variant."""
     cp = f"{r.cp} ({r.cp_comm_type}{f' U={r.cp_split.a2a}' if r.cp_comm_type == 'a2a+p2p' else ''})" \
         if r.cp > 1 else "1"
-    experts = f" ep={r.ep} etp={r.etp} edp={r.layout.expert.edp}" if r.ep > 1 or r.etp != r.tp else ""
-    return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp}{experts} (world {r.world_size})"
+    return f"tp={r.tp} cp={cp} pp={r.pp} dp={r.dp}{expert_words(r)} (world {r.world_size})"
 
 
 def _zero2_grads(r: RunPlan) -> str:

@@ -47,7 +47,7 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        grad_loss = torch.tensor(ctx.scale, dtype=ctx.loss_dtype, device=ctx.loss_device)
+        grad_loss = torch.full((), ctx.scale, dtype=ctx.loss_dtype, device=ctx.loss_device)  # no host-to-device copy
         return grad_out, grad_loss, None
 
 
@@ -155,7 +155,7 @@ class BalanceLosses:
         row_of_token = torch.arange(tokens, device=experts_TK.device) % rows
         slots = (row_of_token[:, None] * experts + experts_TK).flatten()
         counts = count_slots(slots, rows * experts).to(torch.float64)
-        extra = torch.stack([counts.new_tensor(tokens), lse_sq_T.detach().sum().to(torch.float64)])
+        extra = torch.stack([counts.new_full((), tokens), lse_sq_T.detach().sum().to(torch.float64)])  # no sync
         stats = torch.cat([counts, prob_sums_RE.detach().flatten().to(torch.float64), extra])
         C.all_reduce(stats, seq_group)
         dtype = prob_sums_RE.dtype

@@ -53,19 +53,20 @@ class CPSplit:
             raise ConfigError(f"{flag} ({seq_length}) must be divisible by {d} = {why}; choose a sequence "
                               f"length that is a multiple of {d} or change --cp.")
 
-    def positions(self, seq_length: int, cp_rank: int) -> torch.Tensor:
-        """Global positions of the tokens ``cp_rank`` holds, in its local order (long [seq_length / cp])."""
+    def positions(self, seq_length: int, cp_rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global positions of the tokens ``cp_rank`` holds, in its local order (long [seq_length / cp]), made on
+        ``device`` (a host-made copy would sync with a GPU in every layer)."""
         self.check(seq_length)
         if self.cp == 1:
-            return torch.arange(seq_length)
+            return torch.arange(seq_length, device=device)
         local = seq_length // self.cp
         if self.contiguous:
-            return torch.arange(cp_rank * local, (cp_rank + 1) * local)
+            return torch.arange(cp_rank * local, (cp_rank + 1) * local, device=device)
         ring_rank, u = divmod(cp_rank, self.a2a)
         chunk = seq_length // (2 * self.ring)
         piece = chunk // self.a2a
         starts = (ring_rank * chunk + u * piece, (2 * self.ring - 1 - ring_rank) * chunk + u * piece)
-        return torch.cat([torch.arange(s, s + piece) for s in starts])
+        return torch.cat([torch.arange(s, s + piece, device=device) for s in starts])
 
     def take(self, x: torch.Tensor, dim: int, cp_rank: int) -> torch.Tensor:
         """This rank's tokens of ``x`` (whole sequence along ``dim``)."""

@@ -52,7 +52,7 @@ class TPContext:
         if documents is not None and documents.positions is not None:
             return documents.positions
         split = self.cp.split
-        return split.positions(local_tokens * split.cp, self.cp.rank).to(device)
+        return split.positions(local_tokens * split.cp, self.cp.rank, device)
 
     @property
     def tp(self) -> int:

@@ -1,4 +1,5 @@
-"""The single-rank dropless MoE layer reads nothing back from the device, forward and backward.
+"""The single-rank dropless MoE layer reads nothing back from the device, forward and backward, and the
+rotary positions every layer uses are made on the device.
 
 On a GPU each such read (``.tolist()`` of the per-expert counts, ``bincount``'s size, a Python scalar made
 a device tensor) drains the launch queue in every MoE layer of every micro-batch; the OLMoE-shaped run of
@@ -12,6 +13,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megazero.context_parallel.split import CPSplit
+from megazero.model.transformer import TPContext
 from megazero.moe.context import ExpertContext
 from megazero.moe.layer import MoELayer
 from megazero.tensor_parallel.layers import initialize_parameters
@@ -51,3 +54,31 @@ def test_ep1_dropless_layer_reads_nothing_from_the_device(arch: str) -> None:
     assert reads.seen == []
     assert x.grad is not None and layer.experts.fc2_weight.grad is not None
     assert layer.experts.fc2_weight.grad.abs().sum() > 0
+
+
+class Copies(TorchFunctionMode):
+    """Records every ``Tensor.to`` (on a GPU, a host-made tensor's ``.to(device)`` copies and syncs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.Tensor.to
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize("split", [CPSplit(1), CPSplit(2), CPSplit(4, a2a=2)], ids=["cp1", "cp2-ring", "cp4-hybrid"])
+def test_positions_are_made_on_the_device_they_are_asked_for(split: CPSplit) -> None:
+    meta = torch.device("meta")  # stands in for a GPU: a tensor made elsewhere would need a copy
+    with Copies() as copies:
+        made = split.positions(16, split.cp - 1, meta)
+    assert copies.count == 0 and made.device == meta
+    assert made.shape == split.positions(16, split.cp - 1).shape
+
+
+def test_a_layer_asks_for_its_positions_on_its_device() -> None:
+    meta = torch.device("meta")
+    with Copies() as copies:
+        made = TPContext().positions(16, meta)
+    assert copies.count == 0 and made.device == meta and made.shape == (16,)

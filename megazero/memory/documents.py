@@ -17,6 +17,8 @@ not divide S); without it, L = S: one document per sample, the upper bound of ev
 """
 from __future__ import annotations
 
+import functools
+
 from ..config import Config
 from ..context_parallel.ring import needed_rows
 from ..model.documents import attended_share
@@ -45,6 +47,7 @@ def square_sum(seq_length: int, document_length: int | None) -> int:
     return sum((e - s) ** 2 for s, e in zip(cuts[:-1], cuts[1:]))
 
 
+@functools.lru_cache(maxsize=256)
 def planned_attended_share(seq_length: int, document_length: int | None, ring: int = 1) -> float | None:
     """The attention core's share of the causal pairs on the busiest rank (None: no document mask).
 
@@ -60,6 +63,7 @@ def planned_attended_share(seq_length: int, document_length: int | None, ring: i
     return max(attended_share([bounds], (rank, ring)) for rank in range(ring))
 
 
+@functools.lru_cache(maxsize=256)  # the layout search asks for the same few rings many times
 def ring_hop_shares(seq_length: int, ring: int, document_length: int | None) -> tuple[float, float]:
     """(K/V rows over a block's R - 1 hops, dK/dV accumulator rows over its R - 1 hops), in units of one ring
     position's rows, each hop at its busiest sender: a hop of rank src's K/V carries the rows some rank

@@ -63,6 +63,7 @@ class _StartRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _token_grad):
         work, grad = ctx.flight.backward
+        ctx.flight.backward = (None, None)  # the node must not keep what it returns: a cycle gc cannot free
         work.wait()
         return grad, None, None, None, None
 
@@ -74,6 +75,7 @@ class _WaitRows(torch.autograd.Function):
     def forward(ctx, token, group, out_splits, in_splits, flight):
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.flight = group, out_splits, in_splits, flight
         work, out = flight.forward
+        flight.forward = (None, None)  # ctx.flight holding its own output would leak it (a cycle through the node)
         work.wait()
         return out
 

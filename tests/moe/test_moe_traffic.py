@@ -20,11 +20,15 @@ whatever the router chose. Without padding a capacity keeps min(count, capacity)
 Two spawned ranks (ep 2 over dp 2) train a 2-layer model 3 steps per case through the trainer; each step's
 ``comm_bytes["all_to_all/ep"]`` is compared with the formula, fed by every rank's routed counts of each
 micro-batch and layer (a forward hook on the routers). No recompute: a recomputed forward would exchange
-its counts again.
+its counts again. The dropless run also counts the tensors alive at each micro-batch's start: from the second
+step on they must not grow (an in-flight exchange once kept its rows alive through its autograd nodes).
 """
 from __future__ import annotations
 
+import gc
 import math
+
+import torch
 
 from megazero.model.chunk import routers_of
 from tests.helpers.dist import spawn
@@ -47,19 +51,25 @@ def _train_counting(pstate, configs) -> dict[str, dict]:
     out = {}
     for key, cfg in configs.items():
         forwards: list[tuple[int, list[int]]] = []
+        live: list[int] = []  # tensors alive at each micro-batch's start
 
         def record(router, _args, routing, forwards=forwards):
             if router.training:
                 forwards.append((router.layer_id, routing.tokens_per_expert.tolist()))
 
+        def census(_module, _args, live=live):
+            gc.collect()
+            live.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
+
         def hook(chunks, _optimizer, _pstate):
+            chunks[0].register_forward_pre_hook(census)
             for chunk in chunks:
                 for router in routers_of(chunk):
                     router.register_forward_hook(record)
 
         result = train(pstate, cfg, hook=hook)
         out[key] = {"ep_bytes": [r["comm_bytes"].get("all_to_all/ep", 0) for r in result["records"]],
-                    "forwards": forwards}
+                    "forwards": forwards, "live": live}
     return out
 
 
@@ -128,5 +138,8 @@ def test_ep_traffic_equals_the_formula_every_step():
     results = spawn(_train_counting, EP, CONFIGS, ep=EP)
     dropped = [c for res in results for _, counts in res["capacity-dropping"]["forwards"] for c in counts]
     assert max(dropped) > math.ceil(0.5 * 64 * 2 / 4), "the capacity case must drop tokens to test anything"
+    for res in results:  # the exchange keeps nothing from one step to the next (its autograd nodes once did)
+        live = res["dropless"]["live"]
+        assert live[len(live) // STEPS] == live[-(len(live) // STEPS)], live
     bad = [line for key in CONFIGS for line in _check_case(key, results)]
     assert not bad, "ep traffic differs from the formula:\n" + "\n".join(bad)

@@ -35,7 +35,7 @@ def causal_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return block_forward(q, k, v, True)
     assert len(bounds) == q.shape[0] and bounds[0][-1] == q.shape[2], "bounds do not match the batch"
     out, lse = torch.empty_like(q), torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
-    for rows in _document_rows(bounds):
+    for rows in document_rows(bounds):
         out[rows], lse[rows] = block_forward(q[rows], k[rows], v[rows], True)
     return out, lse
 
@@ -46,14 +46,14 @@ def causal_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if bounds is None:
         return [g.to(q.dtype) for g in block_backward(dout, q, k, v, out, lse, True)]
     grads = [torch.empty_like(t) for t in (q, k, v)]
-    for rows in _document_rows(bounds):
+    for rows in document_rows(bounds):
         for grad, part in zip(grads, block_backward(dout[rows], q[rows], k[rows], v[rows], out[rows], lse[rows],
                                                     True)):
             grad[rows] = part
     return grads
 
 
-def _document_rows(bounds: Bounds) -> list[tuple[slice, slice, slice]]:
+def document_rows(bounds: Bounds) -> list[tuple[slice, slice, slice]]:
     return [(slice(b, b + 1), slice(None), slice(s, e))
             for b, cuts in enumerate(bounds) for s, e in zip(cuts[:-1], cuts[1:])]
 

@@ -74,14 +74,17 @@ def attention_work(rank: int, size: int, local_len: int, balanced: bool = True) 
     return total
 
 
+@functools.lru_cache(maxsize=256)
 def pieces_of(rank: int, src: int, size: int, local_len: int, balanced: bool,
-              bounds: Bounds | None) -> list[Piece]:
+              bounds: Bounds | None) -> tuple[Piece, ...]:
     """What ring rank ``rank`` computes against ring rank ``src``'s K/V: the causal ring's blocks for every
-    sample, or, with documents, the per-document pieces of its runs against src's runs (none: skipped)."""
+    sample, or, with documents, the per-document pieces of its runs against src's runs (none: skipped);
+    causal pieces first. Cached: a run asks for the same few every layer and step."""
     if bounds is None:
-        return [(_ALL, qs, ks, causal) for qs, ks, causal in ring_blocks((rank - src) % size, rank, size, local_len,
-                                                                         balanced)]
-    return document_blocks(ring_runs(rank, size, local_len), ring_runs(src, size, local_len), bounds)
+        return tuple((_ALL, qs, ks, causal) for qs, ks, causal in ring_blocks((rank - src) % size, rank, size,
+                                                                              local_len, balanced))
+    pieces = document_blocks(ring_runs(rank, size, local_len), ring_runs(src, size, local_len), bounds)
+    return tuple(sorted(pieces, key=lambda piece: not piece[3]))
 
 
 @functools.lru_cache(maxsize=256)
@@ -138,8 +141,10 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def pieces(self, step: int) -> list[Piece]:
-        """What this rank computes at ``step``, holding the K/V of ring rank ``rank - step``."""
+    def pieces(self, step: int) -> tuple[Piece, ...]:
+        """What this rank computes at ``step``, holding the K/V of ring rank ``rank - step``. At step 0 the
+        causal pieces come first and tile every local query row and every own key row exactly once (each
+        row's document inside its own run), so they write their rows and every later piece adds."""
         return pieces_of(self.rank, (self.rank - step) % self.size, self.size, self.local_len, self.balanced,
                          self.bounds)
 
@@ -186,18 +191,16 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
     """(out in the accumulation dtype, lse [b, n, L]) of the local queries against every rank's K/V."""
     whole = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
     kv, held = whole, ring.hop_rows(ring.rank, 0)
-    out = lse = None
-    if ring.bounds is not None:  # pieces cover the rows piecemeal: start from "no key seen" (out 0, lse -inf)
-        out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.empty(q.shape[:3], dtype=acc_dtype(q.dtype), device=q.device)
     for step in range(ring.size):
         nxt, nxt_rows, works = ring.shift_kv(kv, held, step, whole) if step < ring.size - 1 else (None, None, [])
         for bs, qs, ks, causal in ring.pieces(step):
             ks = held.slot(ks)
             out_b, lse_b = block_forward(_rows(q, bs, qs), _rows(kv[0], bs, ks), _rows(kv[1], bs, ks), causal,
                                          force_math)
-            if out is None:  # step 0 covers every row
-                out, lse = out_b.to(acc_dtype(q.dtype)), lse_b
+            if step == 0 and causal:  # the first write of these rows (see ``_Ring.pieces``)
+                out[bs, :, qs], lse[bs, :, qs] = out_b, lse_b
             else:
                 out[bs, :, qs], lse[bs, :, qs] = merge(_rows(out, bs, qs), _rows(lse, bs, qs), out_b, lse_b)
         _wait(works)  # blocked time here is K/V the ring did not hide
@@ -213,10 +216,13 @@ def _block_grads(dout, q, kv, out, lse, ring: _Ring, step: int, held: _Rows, dq:
         dq_b, dk_b, dv_b = block_backward(_rows(dout, bs, qs), _rows(q, bs, qs), _rows(kv[0], bs, kslice),
                                           _rows(kv[1], bs, kslice), _rows(out, bs, qs), _rows(lse, bs, qs), causal,
                                           force_math)
-        dq[bs, :, qs] += dq_b
         home = dkv_rows.slot(ks)
-        dkv[0][bs, :, home] += dk_b
-        dkv[1][bs, :, home] += dv_b
+        if step == 0 and causal:  # the first write of these query and key rows (see ``_Ring.pieces``)
+            dq[bs, :, qs], dkv[0][bs, :, home], dkv[1][bs, :, home] = dq_b, dk_b, dv_b
+        else:
+            dq[bs, :, qs] += dq_b
+            dkv[0][bs, :, home] += dk_b
+            dkv[1][bs, :, home] += dv_b
 
 
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -229,8 +235,8 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     acc = acc_dtype(q.dtype)
     whole = torch.stack([k, v])
     kv, held = whole, ring.hop_rows(ring.rank, 0)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    own = torch.zeros(whole.shape, dtype=acc, device=q.device)
+    dq = torch.empty(q.shape, dtype=acc, device=q.device)
+    own = torch.empty(whole.shape, dtype=acc, device=q.device)
     acc_in: torch.Tensor | None = None
     acc_works: list = []
     sent: list[torch.Tensor] = []

@@ -157,11 +157,14 @@ class GPTModel(nn.Module):
         return column_parallel_linear(x, self.output_weight, None, self.ctx.group, self.ctx.sequence_parallel)
 
 
-def count_parameters(model: nn.Module, tp: int = 1) -> int:
-    """Parameters of the full model represented by this module (TP slices scaled back up)."""
+def count_parameters(model: nn.Module, tp: int = 1, ep: int = 1, etp: int | None = None) -> int:
+    """Parameters of the full model represented by this module: TP slices scaled back up, and expert
+    weights (E/ep experts, each split over etp ranks, which defaults to tp) scaled to all experts whole."""
     total = 0
     for p in model.parameters():
-        if spec_of(p).tied_role == "embedding_copy":
+        spec = spec_of(p)
+        if spec.tied_role == "embedding_copy":
             continue
-        total += p.numel() * (tp if spec_of(p).split_dim is not None else 1)
+        split = (tp if etp is None or not spec.expert else etp) if spec.split_dim is not None else 1
+        total += p.numel() * split * (ep if spec.expert else 1)
     return total

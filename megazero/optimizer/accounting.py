@@ -55,9 +55,9 @@ def measured_state_bytes(opt: DistributedOptimizer) -> dict[str, int]:
 
 
 def counted_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:
-    """Parameters of the whole model (every stage, TP slices counted at full size, tied once), counted
-    from the built modules (``megazero.memory.num_parameters`` is the formula from the config)."""
-    local = sum(count_parameters(c, pstate.tp) for c in chunks)
+    """Parameters of the whole model (every stage, TP slices and expert shards counted at full size, tied
+    once), counted from the built modules (``megazero.memory.num_parameters`` is the formula from the config)."""
+    local = sum(count_parameters(c, pstate.tp, pstate.ep, pstate.etp) for c in chunks)
     total = torch.tensor(float(local), dtype=torch.float64, device=pstate.device)
     if pstate.pp_group is not None:
         C.all_reduce(total, pstate.pp_group)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from megazero.config import Config
+from megazero.optimizer.accounting import counted_parameters
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from tests.helpers.step_meter import StepStateMeter, _storages, run_metered
@@ -55,5 +56,7 @@ class ExpertStateMeter(StepStateMeter):
 
 def measured_expert_state(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
     """Two real training steps of ``cfg``: this rank's expert bytes at their peak, and where the rank sits."""
-    _, record = run_metered(pstate, cfg, steps=2, meter_type=ExpertStateMeter)
-    return {**record, "pp_rank": pstate.pp_rank, "rank": pstate.rank}
+    counted: list[int] = []
+    _, record = run_metered(pstate, cfg, steps=2, meter_type=ExpertStateMeter,
+                            on_built=lambda chunks, opt: counted.append(counted_parameters(chunks, pstate)))
+    return {**record, "pp_rank": pstate.pp_rank, "rank": pstate.rank, "num_parameters": counted[0]}

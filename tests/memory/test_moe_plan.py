@@ -75,6 +75,9 @@ def test_expert_state_matches_measured_steps():
         cfg = _config(*layout[1:])
         plan = plan_memory(PlanSpec.from_plan(cfg, RunPlan.resolve(cfg, world), device="cpu"))
         for rec in spawn(_measure, world, layout, tp=tp, pp=pp, ep=ep, etp=etp):
+            if rec["num_parameters"] != num_parameters(cfg.model, tp):  # the metrics file's count: every expert
+                bad.append(f"{layout} rank {rec['rank']}: counted {rec['num_parameters']} parameters, "
+                           f"the model has {num_parameters(cfg.model, tp)}")
             moe = plan.stages[rec["pp_rank"]].experts
             for key in ("params_bytes", "grads_bytes", "optimizer_bytes"):
                 predicted, measured = getattr(moe, key), rec[key]

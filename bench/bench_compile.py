@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from bench.harness import ROOT
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 MODELS = {"gpt2-small": ["--config", "configs/gpt2-small.yaml"],
           "llama (gpt2-small shape, GQA 4)": ["--config", "configs/gpt2-small.yaml", "--arch", "llama",
@@ -76,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--out", default=None, help="append the table to this file")
+    add_out_flag(parser)
     args = parser.parse_args()
     results = {}
     for model, model_flags in MODELS.items():
@@ -85,10 +85,7 @@ def main() -> None:
                                       for compiled in (False, True)}
             print(model, layout, results[model, layout], flush=True)
     text = table(results, args.seq)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 from bench.harness import ROOT
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 ROWS = (("1 rank", 1, []), ("cp 2, p2p ring", 2, ["--cp", "2"]),
         ("cp 2, a2a (Ulysses)", 2, ["--cp", "2", "--cp-comm-type", "a2a"]))
@@ -85,17 +85,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--iters", type=int, default=6)
     parser.add_argument("--memory", action="store_true", help="peak RSS per rank, one rank against cp 4")
-    parser.add_argument("--out", default=None, help="append the table to this file")
+    add_out_flag(parser)
     args = parser.parse_args()
     if args.memory:
         text = memory_table(args.seq)
     else:
         results = {name: summarise(run_row(nproc, flags, args.seq, args.iters)[0]) for name, nproc, flags in ROWS}
         text = table(results, args.seq)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 ROWS = ("megazero p2p", "megazero a2a", "deepspeed-ulysses", "no exchange")
 
@@ -171,8 +171,9 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    add_out_flag(parser)
     args = parser.parse_args()
-    print(table(args, run(args)))
+    emit(table(args, run(args)), args.out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import time
 import torch
 
 from bench.bench_cp_peer import document_bounds, document_lengths
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 
 def _seconds(f, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> float:
@@ -72,8 +72,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=7)
+    add_out_flag(parser)
     args = parser.parse_args()
-    print(table(args, measure(args)))
+    emit(table(args, measure(args)), args.out)
 
 
 if __name__ == "__main__":

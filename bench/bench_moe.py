@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 ROWS = ("megazero", "megatron-core", "deepspeed")
 BLOCKED = "megazero blocked in all-to-all"
@@ -173,13 +173,10 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--out", default=None, help="append the table to this file")
+    add_out_flag(parser)
     args = parser.parse_args()
     text = table(args, run(args))
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

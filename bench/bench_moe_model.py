@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from bench.harness import ROOT
-from bench.results import results_header
+from bench.results import add_out_flag, emit, results_header
 
 MODEL = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
          "--seq-length", "1024", "--micro-batch-size", "1", "--global-batch-size", "2", "--lr", "1e-4",
@@ -92,14 +92,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launches", type=int, default=3)
     parser.add_argument("--iters", type=int, default=6)
-    parser.add_argument("--out", default=None, help="append the table to this file")
+    add_out_flag(parser)
     args = parser.parse_args()
     runs = run(args.launches, args.iters, lambda msg: print(msg, file=sys.stderr, flush=True))
     text = table(runs, args.launches, args.iters)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n\n")
+    emit(text, args.out)
 
 
 if __name__ == "__main__":

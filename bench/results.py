@@ -7,6 +7,7 @@ build, the core count and the load at the time, so every bench prints them the s
 """
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import time
@@ -31,3 +32,16 @@ def results_header(bench: str) -> str:
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     return (f"## {bench} — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, "
             f"torch {torch.__version__}, {os.cpu_count()} cores, load {load}")
+
+
+def add_out_flag(parser: argparse.ArgumentParser) -> None:
+    """``--out FILE``: where ``emit`` appends the table (every bench's RESULTS file is a log of runs)."""
+    parser.add_argument("--out", default=None, help="append the table to this file")
+
+
+def emit(text: str, out: str | None) -> None:
+    """Print a bench's table and append it to ``out`` when given."""
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n\n")

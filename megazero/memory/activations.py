@@ -26,6 +26,11 @@ log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
     MLP                   gpt2: 2 s b f e / t (GELU in/out); llama: 4 s b f e / t
                           (gate, silu(gate), up, product)
     hidden dropout        2 x s b h m / r       (m = mask bytes: 1 on CUDA, e on CPU)
+    q/k head norms        s b (n + g) (2 d + 1) 4 / t   (--qk-layernorm: per head an fp32 copy of the
+                          input, the fp32 normalised value, rstd; in fp32 the inputs are the qkv
+                          output's views, so only GQA's rearranged q is a copy, and k's view keeps
+                          the qkv output alive where no other term does; the normed q lays the flash
+                          output out so the out-projection copies it, as with GQA)
 
 The math kernel (CPU with attention dropout) drops the RoPE/lse terms and
 keeps q (scaled), k and v expanded to n heads (v only for GQA, else the qkv
@@ -139,14 +144,29 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
     if a.cp > 1:
         return _cp_core_bytes(cfg, a)
     if a.attention_kernel(cfg) == "flash":
-        # With GQA the kernel's output is laid out so the out-projection copies it (measured); per-document
-        # calls write into one output (doc_blocks.document_attention).
-        copies = 2 if g < n else 1
+        # With GQA or normed q the kernel's output is laid out so the out-projection copies it (measured);
+        # per-document calls write into one output (doc_blocks.document_attention).
+        copies = 2 if g < n or cfg.qk_layernorm else 1
         return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * copies}
     expanded = s * b * n * d * e // t
-    v_terms = expanded if g < n else qkv_out  # GQA expands v (a copy); MHA keeps the qkv view
-    return {"q_scaled": expanded, "k_expanded": expanded, "v": v_terms,
+    v_term = {"v_expanded": expanded} if g < n else {"qkv_out": qkv_out}  # GQA copies v; MHA keeps the qkv view
+    return {"q_scaled": expanded, "k_expanded": expanded, **v_term,
             "scores": 3 * b * n * square_sum(s, a.document_length) * e // t, "attn_out": out}
+
+
+def _head_norm_terms(cfg: ModelConfig, a: ActivationSpec, core: dict[str, int]) -> dict[str, int]:
+    """--qk-layernorm: what the per-head RMSNorms of q and k keep beyond the attention ``core`` terms (module
+    docstring). fp32 has no upcast, so the norms save their inputs, views of the qkv output, themselves."""
+    if not cfg.qk_layernorm:
+        return {}
+    s, b, t, e, d = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes, cfg.head_dim
+    n, g = cfg.num_attention_heads, cfg.query_groups
+    heads = s * b * (n + g) // t  # rows normalised: every q and k head of every token
+    inputs = heads * d * 4 if e != 4 else (s * b * n * d * 4 // t if g < n else 0)
+    terms = {"qk_norms": heads * (d + 1) * 4 + inputs}
+    if e == 4 and "qkv_out" not in core:
+        terms["qkv_out"] = s * b * (n + 2 * g) * d * e // t
+    return terms
 
 
 def kv_heads_per_rank(cfg: ModelConfig, a: ActivationSpec) -> int:
@@ -191,6 +211,7 @@ def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     # they keep only the local sequence shard and re-gather it in backward.
     terms = {"norms": 2 * _norm_bytes(cfg, a), "linear_inputs": 2 * s * b * h * e // a.shard}
     terms.update(_attention_core_bytes(cfg, a))
+    terms.update(_head_norm_terms(cfg, a, terms))
     terms["mlp"] = (4 if cfg.arch == "llama" else 2) * s * b * f * e // t
     if a.training and cfg.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * s * b * h * a.mask_bytes() // a.shard

@@ -6,8 +6,8 @@ and tp = 2 (a spawned world), sequence parallelism on and off, each recompute
 mode, both architectures (llama with GQA), dropout off (SDPA's flash kernel)
 and on (hidden-dropout masks; CPU's math attention kernel with its s^2 terms).
 
-``--qk-layernorm`` (llama, GQA and MHA, fp32 and bf16, each recompute mode, both kernels, tp 1 and 2
-with and without SP): what the q and k head norms add to the saved tensors (the same forward with the
+``--qk-layernorm`` (llama, fp32 and bf16, each recompute mode, both kernels; GQA at tp 1 and 2 with
+and without SP, MHA at tp 1): what the q and k head norms add to the saved tensors (the same forward with the
 flag off subtracted) equals what the planner adds, to the byte. Before the planner counted them it
 added nothing: 7-10% of the whole model's bytes missed in fp32, 13-17% in bf16.
 """
@@ -101,9 +101,11 @@ def _saved_and_planned(pstate, flat: dict) -> tuple[int, int]:
 
 
 def qk_norm_bytes(pstate) -> dict[str, tuple[int, int]]:
-    """(measured, planned) bytes --qk-layernorm adds to a forward's saved tensors, per case on this rank."""
+    """(measured, planned) bytes --qk-layernorm adds to a forward's saved tensors, per case on this rank.
+    MHA (whose q is a view of the qkv output, not a copy) only at tp 1: TP does not change the layouts."""
     out = {}
-    groups = {"gqa": ARCHS["llama"]["num_query_groups"], "mha": ARCHS["llama"]["num_attention_heads"]}
+    groups = {"gqa": ARCHS["llama"]["num_query_groups"]}
+    groups.update({"mha": ARCHS["llama"]["num_attention_heads"]} if pstate.tp == 1 else {})
     for heads, bf16, sp, mode, dropout in itertools.product(groups, (False, True), (False, True), MODES, (0.0, 0.1)):
         if sp and pstate.tp == 1:
             continue

@@ -4,6 +4,8 @@ A token's rows travel with uneven counts (each rank sends what its router chose)
 is an all-to-all with split sizes; its backward is the same all-to-all with the splits swapped. The
 uneven all-gather and reduce-scatter over the expert-TP group are built from it, so autograd derives
 their backwards (a repeat's backward is the sum that turns the reverse all-to-all into a reduce-scatter).
+The dispatcher's token and output exchanges are issued asynchronously, with this rank's own expert work
+recorded between the issue and the wait (``all_to_all_rows_overlapped``), forward and backward.
 A group of one rank (``None``) makes every op the identity.
 """
 from __future__ import annotations
@@ -111,14 +113,10 @@ class _SumGrad(torch.autograd.Function):
         return all_reduce_in_place(grad.clone(), ctx.group).wait(), None
 
 
-def all_to_all_rows(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
-    """Send ``in_splits[i]`` rows of ``x`` (in order) to rank i; return the ``out_splits[j]`` rows from each j."""
-    return x if group_size(group) == 1 else _AllToAllRows.apply(x, group, out_splits, in_splits)
-
-
 def all_to_all_rows_overlapped(x: torch.Tensor, group: Group, out_splits: list[int], in_splits: list[int],
                                work: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``all_to_all_rows`` with ``work()`` run while the rows travel: (received rows, what ``work`` returned).
+    """Send ``in_splits[i]`` rows of ``x`` (in order) to rank i and receive the ``out_splits[j]`` rows from each
+    j, with ``work()`` run while they travel: (received rows, what ``work`` returned).
 
     In backward the same overlap holds the other way round: the received rows' gradients travel home while
     autograd runs ``work``'s backward (it was recorded between the start and the wait, so the engine reaches

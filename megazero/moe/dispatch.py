@@ -4,9 +4,9 @@ Legend: T tokens on this rank, k choices per token, E experts, L = E / ep local 
 A assignments that travel. An assignment is one (token, choice) pair; its "slot" is t * k + j in
 the flattened [T, k] routing.
 
-- ``AllToAllDispatcher`` (default): counts per (source rank, expert) are exchanged first, then the
-  token rows with uneven splits (a rank's rows for its own experts stay home and run while the
-  others travel); a receiver sorts them by local expert, runs its experts, unsorts and sends the
+- ``AllToAllDispatcher`` (default): counts per (source rank, expert) are exchanged first (the rows
+  to send are gathered meanwhile), then the token rows with uneven splits (a rank's rows for its own
+  experts stay home); a receiver sorts them by local expert, runs its experts, unsorts and sends the
   outputs back. Routing weights never travel: the weighting and the sum over the k
   choices happen where the token lives.
 - ``AllGatherDispatcher``: every rank of the ep group gathers all its tokens (and weights), runs its
@@ -28,7 +28,7 @@ import torch
 from ..parallel import collectives as C
 from ..tensor_parallel.comm import reduce_scatter_to_sequence_parallel_region
 from .balance import count_slots
-from .comm import all_gather_rows, all_to_all_rows, all_to_all_rows_overlapped
+from .comm import all_gather_rows, all_to_all_rows_overlapped
 from .context import ExpertContext
 from .experts import GroupedExperts, expert_ids
 
@@ -118,12 +118,28 @@ def _zero_at(splits: list[int], index: int) -> list[int]:
     return [0 if i == index else n for i, n in enumerate(splits)]
 
 
+_FIRST_SHARE = (1, 2)  # of each own expert's rows: run while the tokens travel out; the rest while they come home
+
+
+def _own_block_in_two(plan: Plan, start: int, own: list[int], first: list[int]) -> Plan:
+    """``plan`` with this rank's own block (``own[l]`` rows of local expert l from ``start``) reordered: the
+    first ``first[l]`` rows of each expert, then the rest, so each part is one slice sorted by expert."""
+    device, rows = plan.token.device, sum(own)
+    own_t, first_t = torch.tensor(own, device=device), torch.tensor(first, device=device)
+    expert = expert_ids(own_t, rows)
+    rank_in_expert = torch.arange(rows, device=device) - (own_t.cumsum(0) - own_t)[expert]
+    second = (rank_in_expert >= first_t[expert]).to(torch.int8)
+    order = torch.arange(plan.token.numel(), device=device)
+    order[start:start + rows] = start + torch.argsort(second, stable=True)
+    return Plan(plan.token[order], plan.slot[order], plan.per_expert)
+
+
 class AllToAllDispatcher:
     """Dropless (or capacity-bound) all-to-all over the ep group; see the module docstring.
 
-    The rows a rank routes to its own experts never enter the all-to-all: they run through the experts
-    while the other rows travel (and, in backward, while those rows' gradients travel home), so the
-    exchange hides behind that compute.
+    The rows a rank routes to its own experts never enter the all-to-all: half of each expert's run while
+    the other rows travel out, the other half while their outputs travel home (and, in backward, each half
+    while the matching gradients travel back), so both trips hide behind that compute.
     """
 
     def __init__(self, num_experts: int, ctx: ExpertContext, capacity: Capacity | None) -> None:
@@ -135,22 +151,26 @@ class AllToAllDispatcher:
         plan = make_plan(experts_TK, probs_TK, self.num_experts, self.capacity)
         padded = self.capacity is not None and self.capacity.pad
         x_src = torch.cat([x_TH, x_TH.new_zeros((1, x_TH.shape[1]))]) if padded else x_TH  # row T: padding
-        send = x_src[plan.token]  # by destination rank, then by its local expert
         if ep == 1:
-            return combine_weighted(experts(send, plan.per_expert), plan, probs_TK)
+            return combine_weighted(experts(x_src[plan.token], plan.per_expert), plan, probs_TK)
         received = torch.empty_like(plan.per_expert)  # [ep * L]: rows for each local expert from each source
-        C.all_to_all_single(received, plan.per_expert, group)
+        exchange = C.all_to_all_single(received, plan.per_expert, group, async_op=True)
+        sent_EL = plan.per_expert.view(ep, -1).tolist()  # the rows gather while the counts travel
+        send_splits, own = [sum(row) for row in sent_EL], sent_EL[me]
+        start, first = sum(send_splits[:me]), [n * _FIRST_SHARE[0] // _FIRST_SHARE[1] for n in own]
+        plan = _own_block_in_two(plan, start, own, first)
+        send = x_src[plan.token]  # by destination rank, then by its local expert (this rank's block: in two)
+        exchange.wait()
         received_EL = received.view(ep, -1)
-        send_splits = plan.per_expert.view(ep, -1).sum(1).tolist()
         away, home = _zero_at(send_splits, me), _zero_at(received_EL.sum(1).tolist(), me)
-        start = sum(send_splits[:me])
-        stop, counts = start + send_splits[me], received_EL.tolist()
-        mine, others = _SplitBlock.apply(send, start, stop)
-        rows, out_mine = all_to_all_rows_overlapped(  # [other source][local expert]
-            others, group, home, away, lambda: experts(mine, counts[me]))
+        mine, others = _SplitBlock.apply(send, start, start + send_splits[me])
+        mine_first, mine_second = mine.split([sum(first), send_splits[me] - sum(first)])
+        rows, out_first = all_to_all_rows_overlapped(  # [other source][local expert]
+            others, group, home, away, lambda: experts(mine_first, first))
         out = self._other_sources(rows, torch.cat([received_EL[:me], received_EL[me + 1:]]), experts)
-        back = all_to_all_rows(out, group, away, home)  # in the order sent, less this rank's own block
-        return combine_weighted(torch.cat([back[:start], out_mine, back[start:]]), plan, probs_TK)
+        back, out_second = all_to_all_rows_overlapped(  # in the order sent, less this rank's own block
+            out, group, away, home, lambda: experts(mine_second, [n - f for n, f in zip(own, first)]))
+        return combine_weighted(torch.cat([back[:start], out_first, out_second, back[start:]]), plan, probs_TK)
 
     @staticmethod
     def _other_sources(rows: torch.Tensor, counts_SL: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:

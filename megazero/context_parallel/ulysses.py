@@ -36,6 +36,8 @@ from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward
 from .doc_blocks import Bounds, document_attention, document_rows
 
+Rows = tuple[slice, slice, slice]  # (sample, heads, tokens) of one document
+
 
 def _seq_view(t: torch.Tensor, u: int, count: int = 1, c: int = 0) -> torch.Tensor:
     """[U dst, b, w, s, d] view of head chunk ``c`` (of ``count``) of a sequence shard [b, h, s, d]."""
@@ -191,11 +193,12 @@ class _UlyssesAttention(torch.autograd.Function):
         return (*finals, None)
 
 
-def _split_home(bounds: Bounds, lo: int, hi: int, before: float) -> tuple[list, list, list]:
+def _split_home(bounds: Bounds, lo: int, hi: int, before: float) -> tuple[list[Rows], list[Rows], list[Rows]]:
     """Document rows (sample, heads, tokens) in three lists: documents inside this rank's own tokens
     [lo, hi) computed while the first exchange travels (about ``before`` of their pairs), the rest of
     them (while the second travels), and the documents that need other ranks' tokens."""
-    home, away = [], []
+    home: list[Rows] = []
+    away: list[Rows] = []
     for rows in document_rows(bounds):
         (home if lo <= rows[2].start and rows[2].stop <= hi else away).append(rows)
     pairs = [(r[2].stop - r[2].start) ** 2 for r in home]
@@ -205,7 +208,7 @@ def _split_home(bounds: Bounds, lo: int, hi: int, before: float) -> tuple[list, 
     return home[:cut], home[cut:], away
 
 
-def _shifted(rows: tuple[slice, slice, slice], lo: int) -> tuple[slice, slice, slice]:
+def _shifted(rows: Rows, lo: int) -> Rows:
     return rows[0], rows[1], slice(rows[2].start - lo, rows[2].stop - lo)
 
 
@@ -226,7 +229,8 @@ class _UlyssesDocuments(torch.autograd.Function):
         out = q.new_empty(b, n // u, u * s, d)
         lse = q.new_empty(b, n // u, u * s, dtype=acc_dtype(q.dtype))
         for rows in first:
-            out[rows], lse[rows] = block_forward(*(t[_shifted(rows, me * s)] for t in local), True)
+            ql, kl, vl = (t[_shifted(rows, me * s)] for t in local)
+            out[rows], lse[rows] = block_forward(ql, kl, vl, True)
         recv, work = incoming
         work.wait()
         qh, kh, vh = (_as_heads(slot, 1) for slot in _slots(recv, [t.shape[1] // u for t in (q, k, v)]))
@@ -251,7 +255,7 @@ class _UlyssesDocuments(torch.autograd.Function):
         first, later, away = _split_home(ctx.bounds, me * s, (me + 1) * s, before=0.25)
         grads = [torch.empty_like(t) for t in (qh, kh, vh)]
 
-        def run(rows: tuple[slice, slice, slice], dout_rows: torch.Tensor) -> None:
+        def run(rows: Rows, dout_rows: torch.Tensor) -> None:
             for grad, part in zip(grads, block_backward(dout_rows, qh[rows], kh[rows], vh[rows], out[rows],
                                                         lse[rows], True)):
                 grad[rows] = part

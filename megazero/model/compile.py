@@ -45,7 +45,7 @@ from torch import nn
 
 from ..moe.layer import MoELayer
 from .chunk import blocks_of
-from .transformer import TransformerBlock
+from .transformer import TransformerBlock, make_eager_sites
 
 
 def eager_sites(block: TransformerBlock) -> list[str]:
@@ -71,6 +71,7 @@ def compile_block(block: TransformerBlock, backend: str = "inductor") -> bool:
         ctx = dataclasses.replace(block.ctx, rng=None)
         block.ctx = block.attention.ctx = ctx
     sites = eager_sites(block)
+    make_eager_sites()
     block.dropout_eager = "_dropout" in sites
     block.attention.core_eager = "attention.core_attention" in sites
     block.mlp_eager = "mlp" in sites

@@ -204,7 +204,7 @@ class Attention(nn.Module):
             q_bnsd, k_bgsd = apply_rotary(q_bnsd, cos, sin), apply_rotary(k_bgsd, cos, sin)
         if cache is None:
             bounds = None if documents is None else documents.bounds
-            attend = _attend_eager if self.core_eager else Attention.attend
+            attend = EAGER["attend"] if self.core_eager else Attention.attend
             out_bnsd = attend(self, q_bnsd, k_bgsd, v_bgsd, bounds)
         else:
             out_bnsd = cached_attention(q_bnsd, *cache.update(self.layer_id, k_bgsd, v_bgsd))
@@ -281,13 +281,21 @@ class TransformerBlock(nn.Module):
 
     def body(self, x: torch.Tensor, cache: KVCache | None = None,
              documents: Documents | None = None) -> torch.Tensor:
-        dropout = _dropout_eager if self.dropout_eager else TransformerBlock._dropout
-        mlp = _mlp_eager if self.mlp_eager else TransformerBlock._mlp
+        dropout = EAGER["dropout"] if self.dropout_eager else TransformerBlock._dropout
+        mlp = EAGER["mlp"] if self.mlp_eager else TransformerBlock._mlp
         x = x + dropout(self, self.attention(self.norm1(x), cache=cache, documents=documents))
         return x + dropout(self, mlp(self, self.norm2(x)))
 
 
-# --compile's graph breaks (``compile.eager_sites``): the same code, run eager from inside a compiled body
-_attend_eager = torch.compiler.disable(Attention.attend, recursive=True)
-_dropout_eager = torch.compiler.disable(TransformerBlock._dropout, recursive=True)
-_mlp_eager = torch.compiler.disable(TransformerBlock._mlp, recursive=True)
+# --compile's graph breaks (``compile.eager_sites``): the same code, run eager from inside a compiled body. Made
+# when a block is compiled: torch.compiler.disable imports torch._dynamo (~1.7 s of CPU per process), which a run
+# without --compile never needs.
+EAGER: dict[str, Callable] = {}
+
+
+def make_eager_sites() -> None:
+    """Fill ``EAGER`` (once per process) before a block's body is compiled."""
+    if not EAGER:
+        EAGER.update(attend=torch.compiler.disable(Attention.attend, recursive=True),
+                     dropout=torch.compiler.disable(TransformerBlock._dropout, recursive=True),
+                     mlp=torch.compiler.disable(TransformerBlock._mlp, recursive=True))

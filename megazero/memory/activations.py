@@ -7,14 +7,17 @@ recalibrated to what *our* blocks save, as measured with saved-tensor hooks
 f MLP width, n heads, g query groups, d head dim, t TP size, e bytes per
 activation element (4 fp32, 2 bf16), r = t with sequence parallelism else 1
 (replicated regions are sequence-sharded only with SP), V_pad padded vocab.
+The figures are what CPU's kernels keep (measured to the byte, fp32 and bf16); where CUDA's
+differ and are known they are kept apart (``device``): LayerNorm statistics, dropout masks, the
+attention kernel. CUDA may run RMSNorm fused (input and rstd only): not measured, planned as CPU's.
 
 Per block, no recompute, flash attention (SDPA's flash kernel: CUDA always,
 CPU when attention dropout is 0; it keeps q, k, v, the output and a
 log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
 
-    norm inputs           2 x s b h e / r       (+ fp32 stats 2 x 2 s b 4 / r, LayerNorm)
-    RMSNorm (llama)       2 x (s b h 4 + s b h e) / r + 2 x s b 4 / r
-                          (input upcast to fp32, normalised pre-weight value, rstd)
+    norm inputs           2 x s b h e / r       (+ stats 2 x 2 s b 4 / r, LayerNorm; e bytes on CPU)
+    RMSNorm (llama)       2 x s b (2 h + 1) 4 / r  (unfused, in fp32 whatever e is: the fp32 input,
+                          a copy below fp32; the fp32 normalised pre-weight value; rstd)
     linear inputs         2 x s b h e / r       (qkv and MLP-in inputs, llama's gate and up
                                                  sharing one; under SP the local shard, which
                                                  the column-parallel layer re-gathers in backward)
@@ -32,22 +35,23 @@ log-sum-exp but no s x s matrix, so the paper's 5 a s / h term is gone):
                           the qkv output alive where no other term does; the normed q lays the flash
                           output out so the out-projection copies it, as with GQA)
 
-The math kernel (CPU with attention dropout) drops the RoPE/lse terms and
-keeps q (scaled), k and v expanded to n heads (v only for GQA, else the qkv
-output), the output, and three b n s^2 e / t matrices (softmax, mask, dropped).
+The math kernel (CPU with attention dropout) computes in fp32: it drops the rotated q, k
+and the lse (RoPE keeps its tables) and keeps fp32 q (scaled), k and v expanded to n
+heads, s b n d 4 / t each (v is the qkv output's view only for fp32 MHA: then the qkv
+output), the output (e), and three b n s^2 4 / t matrices (softmax, mask, dropped).
 With ``--reset-attention-mask`` (``documents.py``: documents of a planned length L_d) the
-kernels run once per document: the math kernel's matrices are b n sum_d L_d^2 e / t each,
+kernels run once per document: the math kernel's matrices are b n sum_d L_d^2 4 / t each,
 and the flash kernel's calls write into one attention output, kept once.
 Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
 and its output. Full recompute keeps only ``s b h e / r`` per block.
 
-Per stage: the first adds token ids (s b 8, + s b for the TP>1 mask) and an
-embedding-dropout mask; the last adds the final norm, the head's input
-``s b h e`` and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus
-targets (s b 9). With ``--cross-entropy-chunk-size c`` the fused head keeps
-instead the gradients it computed in forward: dh ``s b h e / r`` and an fp32
-dW ``V_pad / t x h x 4``; its logits are a transient of c tokens
-(``head_working_bytes``), not of s b.
+Per stage: the first adds token ids (s b 8; at tp = cp = 1 a view of the [b, s + 1]
+micro-batch, b 8 more; + s b for the TP>1 mask) and an embedding-dropout mask; the last
+adds the final norm, the head's input ``s b h e / r`` (SP: the local shard, as the linear
+inputs) and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus targets (s b 9).
+With ``--cross-entropy-chunk-size c`` the fused head keeps instead the gradients it computed
+in forward: dh ``s b h e / r`` and an fp32 dW ``V_pad / t x h x 4``; its logits are a
+transient of c tokens (``head_working_bytes``), not of s b.
 
 Context parallelism (cp > 1): every term above is per token, so s is the
 rank's S/cp tokens (measured: ``tests/memory/test_cp_memory.py``). What the CP
@@ -125,11 +129,16 @@ class ActivationSpec:
 
 
 def _norm_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
-    """One norm's saved bytes (input, stats, and for RMSNorm the pre-weight value)."""
+    """One norm's saved bytes (input, stats, and for RMSNorm the pre-weight value; module docstring).
+
+    RMSNorm is torch's unfused composite, which computes in fp32 whatever e is: it keeps the fp32
+    input (an upcast copy below fp32) and the fp32 normalised value. CPU's LayerNorm keeps its mean
+    and rstd in the (bf16) parameters' dtype, CUDA's in fp32."""
     sb, h, e = a.tokens * a.micro_batch_size, cfg.hidden_size, a.dtype_bytes
     if cfg.arch == "gpt2":
-        return (sb * h * e + 2 * sb * 4) // a.shard
-    return (sb * h * 4 + sb * h * e + sb * 4) // a.shard
+        stat = e if a.device == "cpu" else 4
+        return (sb * h * e + 2 * sb * stat) // a.shard
+    return sb * (2 * h + 1) * 4 // a.shard
 
 
 def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
@@ -137,7 +146,8 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
     s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
     n, g, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
     qkv_out = s * b * (n + 2 * g) * d * e // t
-    rope = s * b * (n + g) * d * e // t + 2 * s * d * 4 if cfg.arch == "llama" else 0
+    tables = 2 * s * d * 4 if cfg.arch == "llama" else 0  # RoPE's fp32 cos/sin
+    rope = s * b * (n + g) * d * e // t + tables if cfg.arch == "llama" else 0
     out = s * b * n * d * e // t
     if a.recompute == "selective":
         return {"qkv_out": qkv_out, "rope": rope, "attn_out": out}
@@ -148,10 +158,12 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
         # per-document calls write into one output (doc_blocks.document_attention).
         copies = 2 if g < n or cfg.qk_layernorm else 1
         return {"qkv_out": qkv_out, "rope": rope, "lse": b * n * s * 4 // t, "attn_out": out * copies}
-    expanded = s * b * n * d * e // t
-    v_term = {"v_expanded": expanded} if g < n else {"qkv_out": qkv_out}  # GQA copies v; MHA keeps the qkv view
-    return {"q_scaled": expanded, "k_expanded": expanded, **v_term,
-            "scores": 3 * b * n * square_sum(s, a.document_length) * e // t, "attn_out": out}
+    # The math kernel computes in fp32: below fp32 its q, k, v are upcast copies, and its matrices fp32.
+    expanded = s * b * n * d * 4 // t
+    keeps_view = g == n and e == 4  # only fp32 MHA's v is the qkv output's view; else a copy (GQA: expanded)
+    v_term = {"qkv_out": qkv_out} if keeps_view else {"v_expanded": expanded}
+    return {"q_scaled": expanded, "k_expanded": expanded, **v_term, "rope_tables": tables,
+            "scores": 3 * b * n * square_sum(s, a.document_length) * 4 // t, "attn_out": out}
 
 
 def _head_norm_terms(cfg: ModelConfig, a: ActivationSpec, core: dict[str, int]) -> dict[str, int]:
@@ -220,7 +232,9 @@ def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
 
 def first_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     sb = a.tokens * a.micro_batch_size
-    terms = {"token_ids": sb * 8 + (sb if a.tp > 1 else 0)}
+    # Without TP or CP the ids saved are a view of the micro-batch's [b, s + 1] tokens: b x 8 bytes more
+    ids = sb * 8 + (a.micro_batch_size * 8 if a.cp == 1 and a.tp == 1 else 0)
+    terms = {"token_ids": ids + (sb if a.tp > 1 else 0)}
     if a.cp > 1 and cfg.arch == "gpt2":
         terms["position_index"] = a.tokens * 8  # the learned table is indexed at this rank's positions
     if a.training and cfg.hidden_dropout > 0:
@@ -233,7 +247,7 @@ def last_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     if a.ce_chunk_size > 0:  # the fused head keeps its gradients, computed in forward: dh (sequence shard), fp32 dW
         return {"final_norm": _norm_bytes(cfg, a), "head_grad_input": sb * cfg.hidden_size * a.dtype_bytes // a.shard,
                 "head_grad_weight_fp32": rows * cfg.hidden_size * 4}
-    return {"final_norm": _norm_bytes(cfg, a), "head_input": sb * cfg.hidden_size * a.dtype_bytes,
+    return {"final_norm": _norm_bytes(cfg, a), "head_input": sb * cfg.hidden_size * a.dtype_bytes // a.shard,
             "softmax_fp32": sb * rows * 4, "targets": sb * 9}
 
 

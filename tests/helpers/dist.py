@@ -18,7 +18,9 @@ from typing import Any, Callable
 import torch
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "einops", "megazero.model.gpt"])
+# torch._dynamo too: building a model imports it (torch's meta-device init runs through _disable_dynamo), ~1.7 s
+# of CPU that each rank would otherwise pay again
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops", "megazero.model.gpt"])
 
 
 def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int, int, int, int | None], init_file: str,

@@ -144,10 +144,11 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool,
                    force_math: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This block's (dq, dk, dv), each to be added in the accumulation dtype."""
+    """This block's (dq, dk, dv), each to be added in the accumulation dtype. The CPU kernel reads strided
+    dout and out (a document's rows of a larger tensor) as given: no copies (bitwise the same results)."""
     if _use_flash(q, force_math):
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal)
+            dout, q, k, v, out, lse.to(acc_dtype(q.dtype)).contiguous(), 0.0, causal)
     kind = _cuda_kernel(q, force_math)
     if kind is not None:
         return _cuda_backward(kind, dout, q, k, v, out, lse, causal)

@@ -9,10 +9,9 @@ q, k and v travel in ONE all-to-all (``_pack``: each destination's heads of all 
 buffer), and so do dq, dk and dv. Pure a2a (``inner`` None) also pipelines, unmasked over head chunks
 (``_UlyssesAttention``): chunk c+1's q/k/v are in flight while chunk c's attention runs, and chunk
 c's output travels back while chunk c+1's runs; the backward likewise with dout and dq/dk/dv. Under
-document masks it hides the exchanges behind the documents that lie wholly in a rank's own tokens
-instead (``_UlyssesDocuments``): they need nothing from the other ranks for this rank's heads, and
-splitting heads would double the per-document calls (measured: 20% more attention time). Per
-rank, forward: q, k, v and out each send (U-1)/U of the local tensor; backward: dout, dq, dk, dv.
+document masks, documents lying wholly in one rank's tokens stay there and only the others travel
+(``ulysses_docs``). Per rank, forward: q, k, v and out each send (U-1)/U of the local tensor;
+backward: dout, dq, dk, dv.
 
 Token order: a rank's local tokens are ``pieces`` runs of equal length (1 for the contiguous split of
 pure a2a; 2 in the hybrid, piece u of ring chunk ρ then piece u of chunk 2R-1-ρ). After the
@@ -33,10 +32,9 @@ import torch.distributed as dist
 
 from ..parallel import collectives
 from ..parallel.collectives import Group
-from .blocks import acc_dtype, block_backward, block_forward
-from .doc_blocks import Bounds, document_attention, document_rows
-
-Rows = tuple[slice, slice, slice]  # (sample, heads, tokens) of one document
+from .blocks import block_backward, block_forward
+from .doc_blocks import Bounds, document_attention
+from .ulysses_docs import document_a2a_attention
 
 
 def _seq_view(t: torch.Tensor, u: int, count: int = 1, c: int = 0) -> torch.Tensor:
@@ -193,98 +191,6 @@ class _UlyssesAttention(torch.autograd.Function):
         return (*finals, None)
 
 
-def _split_home(bounds: Bounds, lo: int, hi: int, before: float) -> tuple[list[Rows], list[Rows], list[Rows]]:
-    """Document rows (sample, heads, tokens) in three lists: documents inside this rank's own tokens
-    [lo, hi) computed while the first exchange travels (about ``before`` of their pairs), the rest of
-    them (while the second travels), and the documents that need other ranks' tokens."""
-    home: list[Rows] = []
-    away: list[Rows] = []
-    for rows in document_rows(bounds):
-        (home if lo <= rows[2].start and rows[2].stop <= hi else away).append(rows)
-    pairs = [(r[2].stop - r[2].start) ** 2 for r in home]
-    cut, done = 0, 0
-    while cut < len(home) and done + pairs[cut] / 2 <= before * sum(pairs):
-        done, cut = done + pairs[cut], cut + 1
-    return home[:cut], home[cut:], away
-
-
-def _shifted(rows: Rows, lo: int) -> Rows:
-    return rows[0], rows[1], slice(rows[2].start - lo, rows[2].stop - lo)
-
-
-class _UlyssesDocuments(torch.autograd.Function):
-    """Pure a2a under document masks: a document lying wholly in this rank's tokens needs no exchange
-    for this rank's heads, so such documents run while the exchanges travel (forward: most of them
-    behind q/k/v, the rest behind the output; backward: the reverse, dout being one tensor and dq/dk/dv
-    three). Every document is one fused call over this rank's heads, as in ``document_attention``."""
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                bounds: Bounds) -> torch.Tensor:
-        u, me = dist.get_world_size(group), dist.get_rank(group)
-        b, n, s, d = q.shape
-        first, later, away = _split_home(bounds, me * s, (me + 1) * s, before=0.75)
-        local = [_own_heads(t, u, me) for t in (q, k, v)]
-        incoming = _start([_seq_view(t, u) for t in (q, k, v)], group)
-        out = q.new_empty(b, n // u, u * s, d)
-        lse = q.new_empty(b, n // u, u * s, dtype=acc_dtype(q.dtype))
-        for rows in first:
-            ql, kl, vl = (t[_shifted(rows, me * s)] for t in local)
-            out[rows], lse[rows] = block_forward(ql, kl, vl, True)
-        recv, work = incoming
-        work.wait()
-        qh, kh, vh = (_as_heads(slot, 1) for slot in _slots(recv, [t.shape[1] // u for t in (q, k, v)]))
-        for rows in away:
-            out[rows], lse[rows] = block_forward(qh[rows], kh[rows], vh[rows], True)
-        outgoing = _start([_head_view(out, u, 1)], group)
-        for rows in later:
-            out[rows], lse[rows] = block_forward(qh[rows], kh[rows], vh[rows], True)
-        result = torch.empty_like(q)
-        _wait_into([result], [outgoing], u)
-        _own_heads(result, u, me).copy_(out[:, :, me * s:(me + 1) * s])  # this rank's own rows, complete now
-        ctx.save_for_backward(qh, kh, vh, out, lse)
-        ctx.group, ctx.bounds = group, bounds
-        return result
-
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        group, (qh, kh, vh, out, lse) = ctx.group, ctx.saved_tensors
-        u, me = dist.get_world_size(group), dist.get_rank(group)
-        dout = dout.contiguous()
-        s = dout.shape[2]
-        first, later, away = _split_home(ctx.bounds, me * s, (me + 1) * s, before=0.25)
-        grads = [torch.empty_like(t) for t in (qh, kh, vh)]
-
-        def run(rows: Rows, dout_rows: torch.Tensor) -> None:
-            for grad, part in zip(grads, block_backward(dout_rows, qh[rows], kh[rows], vh[rows], out[rows],
-                                                        lse[rows], True)):
-                grad[rows] = part
-
-        incoming = _start([_seq_view(dout, u)], group)
-        own_dout = _own_heads(dout, u, me)
-        for rows in first:
-            run(rows, own_dout[_shifted(rows, me * s)])
-        recv, work = incoming
-        work.wait()
-        douth = _as_heads(recv, 1)
-        for rows in away:
-            run(rows, douth[rows])
-        outgoing = _start([_head_view(g, u, 1) for g in grads], group)
-        for rows in later:
-            run(rows, douth[rows])
-        finals = [dout.new_empty(dout.shape[0], g.shape[1] * u, s, dout.shape[3]) for g in grads]
-        _wait_into(finals, [outgoing], u)
-        for final, grad in zip(finals, grads):
-            _own_heads(final, u, me).copy_(grad[:, :, me * s:(me + 1) * s])
-        return (*finals, None, None)
-
-
-def _own_heads(t_bnsd: torch.Tensor, u: int, me: int) -> torch.Tensor:
-    """The heads rank ``me`` attends over, of a sequence shard (a view)."""
-    w = t_bnsd.shape[1] // u
-    return t_bnsd[:, me * w:(me + 1) * w]
-
-
 def ulysses_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, group: Group,
                       pieces: int = 1, inner=None, bounds: Bounds | None = None) -> torch.Tensor:
     """All-to-all to head shards, attention on whole sequences, and back.
@@ -296,7 +202,7 @@ def ulysses_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.
         check_heads(q_bnsd.shape[1], k_bgsd.shape[1], u)
         k_bgsd, v_bgsd = replicate_kv_heads(k_bgsd, u), replicate_kv_heads(v_bgsd, u)
     if inner is None and u > 1 and bounds is not None:
-        return _UlyssesDocuments.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group, bounds)
+        return document_a2a_attention(q_bnsd, k_bgsd, v_bgsd, group, bounds)
     if inner is None and u > 1:
         return _UlyssesAttention.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group)
     if inner is None:

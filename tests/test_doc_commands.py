@@ -158,7 +158,7 @@ COMMANDS: dict[str, str] = {
                           "tests/checkpoint/test_moe_checkpoints.py resumes MoE runs bitwise",
     ".venv/bin/python -m bench.bench_zero": _BENCH,
     ".venv/bin/python -m bench.bench_doc_attention": _BENCH,
-    ".venv/bin/python -m bench.bench_cp_peer": _BENCH,
+    ".venv/bin/python -m bench.bench_cp_peer --repeats 9": _BENCH,
     "OMP_NUM_THREADS=1 .venv/bin/python -m bench.run --repeats 5 --steps 8": _BENCH,
     "make bench": _BENCH,
     ".venv/bin/python -m bench.bench_zero3 --repeats 5": _BENCH,

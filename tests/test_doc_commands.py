@@ -159,6 +159,8 @@ COMMANDS: dict[str, str] = {
     ".venv/bin/python -m bench.bench_zero": _BENCH,
     ".venv/bin/python -m bench.bench_doc_attention": _BENCH,
     ".venv/bin/python -m bench.bench_cp_peer --repeats 9": _BENCH,
+    ".venv/bin/python -m bench.bench_moe --repeats 21": _BENCH,
+    ".venv/bin/python -m bench.bench_moe_model --launches 3 --iters 6": _BENCH,
     "OMP_NUM_THREADS=1 .venv/bin/python -m bench.run --repeats 5 --steps 8": _BENCH,
     "make bench": _BENCH,
     ".venv/bin/python -m bench.bench_zero3 --repeats 5": _BENCH,

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import collectives
+from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward
 from .doc_blocks import Bounds
 
@@ -95,9 +96,9 @@ def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int) -> Doc
     _balance(home, shared, ranks)
     shared.sort()
     tokens: list[list[tuple[int, int]]] = [[] for _ in range(ranks)]  # per rank: (sample, local position)
-    where: list[list[int]] = []  # per shared document: the received row of each of its tokens, in order
+    where: list[list[tuple[int, int]]] = []  # per shared document: the received row of each of its tokens, in order
     for i, a, b in shared:
-        rows = []
+        rows: list[tuple[int, int]] = []
         for r in range(a // local_len, (b - 1) // local_len + 1):
             lo, hi = max(a, r * local_len), min(b, (r + 1) * local_len)
             rows += [(r, len(tokens[r]) + j) for j in range(hi - lo)]
@@ -123,7 +124,7 @@ def _tokens(t_bnsd: torch.Tensor, plan: DocumentPlan, u: int) -> torch.Tensor:
     return rows.transpose(0, 1)
 
 
-def _start(parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int], group) -> tuple:
+def _start(parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int], group: Group) -> tuple:
     """One all-to-all of ``parts`` ([rows, c_i, d] each, or [u, t, c_i, d]) side by side: (receive buffer, work)."""
     send = torch.cat(parts, dim=-2) if len(parts) > 1 else parts[0].contiguous()
     send = send.view(-1, *send.shape[-2:])
@@ -132,7 +133,7 @@ def _start(parts: list[torch.Tensor], in_splits: list[int], out_splits: list[int
                                                in_splits=in_splits)
 
 
-def _outbound(plan: DocumentPlan, group, u: int) -> tuple[list[int], list[int]]:
+def _outbound(plan: DocumentPlan, group: Group, u: int) -> tuple[list[int], list[int]]:
     """Splits of the exchange to the shared documents' ranks: send t to each, receive each source's count."""
     return [plan.counts[dist.get_rank(group)]] * u, list(plan.counts)
 
@@ -177,7 +178,7 @@ class _DocumentsA2A(torch.autograd.Function):
         lse = q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
         for rows in plan.home:  # while the shared documents' tokens travel
             out[rows], lse[rows] = block_forward(q[rows], k[rows], v[rows], True)
-        shared = ()
+        shared: tuple[torch.Tensor, ...] = ()
         if pending is not None:
             recv, work = pending
             work.wait()
@@ -185,9 +186,11 @@ class _DocumentsA2A(torch.autograd.Function):
             out_s = torch.empty_like(qs)
             lse_s = qs.new_empty(qs.shape[:2], dtype=acc_dtype(q.dtype))
             for span in _spans(plan):
-                o, l_ = block_forward(*(t[:, span].unsqueeze(0) for t in (qs, ks, vs)), True)
+                o, l_ = block_forward(qs[:, span].unsqueeze(0), ks[:, span].unsqueeze(0), vs[:, span].unsqueeze(0),
+                                      True)
                 out_s[:, span], lse_s[:, span] = o[0], l_[0]
-            back, work = _start([_to_sources(out_s, plan)], *reversed(_outbound(plan, group, u)), group)
+            to_owner, from_owner = _outbound(plan, group, u)
+            back, work = _start([_to_sources(out_s, plan)], from_owner, to_owner, group)
             work.wait()
             _put(out, back, u, plan)
             shared = (qs, ks, vs, out_s, lse_s)
@@ -215,11 +218,12 @@ class _DocumentsA2A(torch.autograd.Function):
             grads_s = dout_s.new_empty(sum(ctx.widths), *dout_s.shape[1:])
             parts = grads_s.split(ctx.widths, dim=0)
             for span in _spans(plan):
-                got = block_backward(dout_s[:, span].unsqueeze(0), *(t[:, span].unsqueeze(0) for t in (qs, ks, vs)),
-                                     out_s[:, span].unsqueeze(0), lse_s[:, span].unsqueeze(0), True)
+                q1, k1, v1, o1, l1, d1 = (t[:, span].unsqueeze(0) for t in (qs, ks, vs, out_s, lse_s, dout_s))
+                got = block_backward(d1, q1, k1, v1, o1, l1, True)
                 for part, g in zip(parts, got):
                     part[:, span] = g[0]
-            back, work = _start([_to_sources(grads_s, plan)], *reversed(_outbound(plan, group, u)), group)
+            to_owner, from_owner = _outbound(plan, group, u)
+            back, work = _start([_to_sources(grads_s, plan)], from_owner, to_owner, group)
             work.wait()
             for grad, returned in zip(grads, back.split(ctx.widths, dim=1)):
                 _put(grad, returned, u, plan)
@@ -227,7 +231,7 @@ class _DocumentsA2A(torch.autograd.Function):
 
 
 def document_a2a_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
-                           group: dist.ProcessGroup, bounds: Bounds) -> torch.Tensor:
+                           group: Group, bounds: Bounds) -> torch.Tensor:
     """Causal attention inside the documents of ``bounds`` over a contiguous split; kv heads divisible by the
     group's size (``ulysses.replicate_kv_heads``)."""
     return _DocumentsA2A.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group, bounds)

@@ -63,7 +63,9 @@ attention core (``context_parallel/attention.py``) keeps instead of SDPA's:
     a2a / hybrid q, k, v and the output gathered to n/U heads of U x s tokens (the
                  same bytes; GQA kv heads replicated to lcm(g/t, U) when U does not
                  divide them), the log-sum-exp, the output scattered back; RoPE
-                 keeps only its cos/sin tables
+                 keeps only its cos/sin tables. Under document masks pure a2a keeps
+                 this rank's q, k, v, output and lse, plus its heads' q, k, v, output
+                 and lse of the tokens whose documents travel (``a2a_shared_tokens``)
     dropout      the hidden-dropout mask is a float tensor (e bytes, also on CUDA):
                  drawn for the whole sequence, this rank's rows kept
     gpt2         the learned-position lookup keeps its s x 8 index
@@ -84,7 +86,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from .documents import square_sum
+from .documents import a2a_shared_tokens, square_sum
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,12 @@ def _cp_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     tables = 2 * s * d * 4 if cfg.arch == "llama" else 0  # RoPE cos/sin at this rank's positions
     # ring: contiguous copies of this rank's q, k, v; all-to-all: q, k, v gathered to n/U heads of U x s tokens
     qkv = s * b * (n // t + 2 * kv_heads_per_rank(cfg, a)) * d * e
-    return {"qkv": qkv, "rope": tables, "lse": b * n * s * 4 // t, "attn_out": 2 * out}
+    terms = {"qkv": qkv, "rope": tables, "lse": b * n * s * 4 // t, "attn_out": 2 * out}
+    if a.cp_comm_type == "a2a" and a.document_length is not None:  # documents that travel: ulysses_docs
+        shared = a2a_shared_tokens(s * a.cp, min(a.document_length, s * a.cp), a.cp)
+        w, wk = n // t // a.cp, kv_heads_per_rank(cfg, a) // a.cp
+        terms["shared_documents"] = b * shared * ((2 * w + 2 * wk) * d * e + w * 4)
+    return terms
 
 
 def cp_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:

@@ -12,8 +12,10 @@ not divide S); without it, L = S: one document per sample, the upper bound of ev
                      instead of 3 b n S^2 e / t (measured: ``tests/memory/test_document_plan.py``)
     flash kernel     the per-document calls write into one output: the bytes of causal attention
                      (measured, same test)
-    context parallel the ring's and the all-to-all's cores keep the same bytes (measured, same test); a
-                     ring hop carries only the K/V rows some rank ahead uses (``ring_hop_shares``)
+    context parallel the ring's core keeps the same bytes; the all-to-all's keeps its heads' q, k, v,
+                     output and lse of the tokens whose documents travel besides (``a2a_shared_tokens``;
+                     measured, same test); a ring hop carries only the K/V rows some rank ahead uses
+                     (``ring_hop_shares``)
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import functools
 
 from ..config import Config
 from ..context_parallel.ring import needed_rows
+from ..context_parallel.ulysses_docs import plan_documents
 from ..model.documents import attended_share
 
 Bounds = tuple[tuple[int, ...], ...]
@@ -37,6 +40,14 @@ def planned_bounds(seq_length: int, document_length: int) -> Bounds:
     """One sample of ``seq_length`` tokens cut into documents of ``document_length`` (cu_seqlens)."""
     cuts = list(range(0, seq_length, document_length))
     return (tuple(cuts + [seq_length]),)
+
+
+@functools.lru_cache(maxsize=256)
+def a2a_shared_tokens(seq_length: int, document_length: int, ranks: int) -> int:
+    """Tokens per planned sample whose documents travel under all-to-all of ``ranks`` (the rest stay home:
+    ``context_parallel.ulysses_docs``); each rank keeps its heads' q, k, v, output and lse of them."""
+    plan = plan_documents(planned_bounds(seq_length, document_length), ranks, 0, seq_length // ranks)
+    return plan.shared_tokens
 
 
 def square_sum(seq_length: int, document_length: int | None) -> int:

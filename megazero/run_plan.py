@@ -282,6 +282,9 @@ def _check_experts(cfg: Config) -> None:
                                                     f"choose a width that splits evenly.")
     require(p.tp == 1 or p.sequence_parallel, f"--num-experts with --tp {p.tp} needs --sequence-parallel (the MoE "
                                               f"layer routes sequence-sharded tokens, as in Megatron); add it.")
+    require(not (m.moe_pad_expert_input_to_capacity and p.moe_token_dispatcher_type == "allgather"),
+            "--moe-pad-expert-input-to-capacity needs --moe-token-dispatcher-type alltoall (the all-gather "
+            "dispatcher's exchanges have a fixed size already); drop one of them.")
 
 
 def _check_context_parallel(cfg: Config) -> CPSplit:

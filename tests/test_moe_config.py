@@ -110,6 +110,10 @@ def test_a_bad_moe_setting_is_refused_in_one_line(argv, expected, capsys):
     (["--etp", "2", "--ffn-hidden-size", "63"], 2, "--moe-ffn-hidden-size (63) must be divisible by --etp (2)"),
     (["--tp", "2", "--sequence-parallel", "--moe-shared-expert-intermediate-size", "33"], 2,
      "--moe-shared-expert-intermediate-size (33) must be divisible by --tp (2)"),
+    (["--ep", "2", "--moe-expert-capacity-factor", "1", "--moe-pad-expert-input-to-capacity",
+      "--moe-token-dispatcher-type", "allgather"], 2,
+     "--moe-pad-expert-input-to-capacity needs --moe-token-dispatcher-type alltoall (the all-gather dispatcher's "
+     "exchanges have a fixed size already); drop one of them."),
 ])
 def test_a_layout_the_experts_cannot_take_is_refused_by_the_run_plan(argv, world, expected):
     assert _refusal(MOE + argv, world).startswith(expected)

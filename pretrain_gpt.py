@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from megazero.arguments import parse_config
 from megazero.parallel.state import world_size_from_env
 from megazero.training.entry_errors import report_error
-from megazero.training.run import run
+from megazero.training.run import run, with_checkpoint_model
 
 DRY_RUN_FLAGS = [
     ("--dry-run", {"action": "store_true", "help": "Print the per-rank memory plan of this configuration and exit "
@@ -71,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             from megazero.memory import format_plan, plan_for_run, planned_world
 
             world = planned_world(cfg, ns.dp) if ns.dp else world_size_from_env()
+            cfg = with_checkpoint_model(cfg)
+            cfg.refuse_inapplicable()
             print(format_plan(plan_for_run(cfg, world)))
             return 0
         run(cfg)

@@ -212,6 +212,13 @@ def _start(cfg: Config, log_fn: Callable, plan: RunPlan | None = None) -> tuple[
     return plan, pstate, say
 
 
+def with_checkpoint_model(cfg: Config) -> Config:
+    """The config a run of ``cfg`` trains: with --load, the checkpoint's model merged in as ``run`` does
+    (what --dry-run plans: a resume that omits the model flags plans the checkpoint's model)."""
+    found = find_checkpoint(cfg)
+    return ckpt_load.merge_config(found[1], cfg)[0] if found else cfg
+
+
 def run(cfg: Config, log_fn=print) -> list[dict]:
     """Train with the world torchrun described; returns the logged records (the main entry point)."""
     found = find_checkpoint(cfg)

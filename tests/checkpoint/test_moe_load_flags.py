@@ -63,12 +63,14 @@ def test_moe_training_settings_are_the_checkpoints_unless_given(tmp_path):
 
 
 def test_resume_takes_the_checkpoints_moe_model_at_any_ep(tmp_path):
-    """Saved at ep 2; resumed at ep 2 with --moe-aux-loss-coeff 0.01 and at ep 1 with no flag (neither
-    repeats --num-experts): the same first loss (same weights and batch; the LM loss alone is logged), and
+    """Saved at ep 2; planned (--dry-run) and resumed at ep 2 with --moe-aux-loss-coeff 0.01 and at ep 1 with no
+    flag (none repeats --num-experts): the same first loss (same weights and batch; the LM loss alone is logged), and
     only the first logs and adds the aux loss, whose gradient changes every step's grad norm."""
     ckpt = str(tmp_path / "ckpt")
     train_records(tmp_path / "save.jsonl", [*TINY, *MOE, "--train-iters", "2", "--ep", "2", "--save", ckpt], 2)
     resume = [*TINY, "--train-iters", "4", "--load", ckpt]  # no --num-experts, no --moe-* model flags
+    planned = launch("pretrain_gpt.py", [*resume, "--ep", "2", "--dp", "2", "--dry-run"], 1)[0]  # the ckpt's model
+    assert planned.returncode == 0 and "experts" in planned.stdout, planned.stderr[-2000:]
     metrics = tmp_path / "aux.jsonl"
     aux = launch("pretrain_gpt.py", [*resume, "--ep", "2", "--moe-aux-loss-coeff", "0.01", "--metrics-file",
                                      str(metrics)], 2)

@@ -118,9 +118,6 @@ def _zero_at(splits: list[int], index: int) -> list[int]:
     return [0 if i == index else n for i, n in enumerate(splits)]
 
 
-_FIRST_SHARE = (1, 2)  # of each own expert's rows: run while the tokens travel out; the rest while they come home
-
-
 def _own_block_in_two(plan: Plan, start: int, own: list[int], first: list[int]) -> Plan:
     """``plan`` with this rank's own block (``own[l]`` rows of local expert l from ``start``) reordered: the
     first ``first[l]`` rows of each expert, then the rest, so each part is one slice sorted by expert."""
@@ -157,7 +154,7 @@ class AllToAllDispatcher:
         exchange = C.all_to_all_single(received, plan.per_expert, group, async_op=True)
         sent_EL = plan.per_expert.view(ep, -1).tolist()  # the rows gather while the counts travel
         send_splits, own = [sum(row) for row in sent_EL], sent_EL[me]
-        start, first = sum(send_splits[:me]), [n * _FIRST_SHARE[0] // _FIRST_SHARE[1] for n in own]
+        start, first = sum(send_splits[:me]), [n // 2 for n in own]  # the halves hiding the two trips
         plan = _own_block_in_two(plan, start, own, first)
         send = x_src[plan.token]  # by destination rank, then by its local expert (this rank's block: in two)
         exchange.wait()

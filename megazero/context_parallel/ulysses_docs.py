@@ -85,8 +85,10 @@ class DocumentPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int) -> DocumentPlan:
-    """Which documents rank ``rank`` computes alone and how the shared ones' tokens travel (module docstring)."""
+def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int,
+                   device: torch.device | None = None) -> DocumentPlan:
+    """Which documents rank ``rank`` computes alone and how the shared ones' tokens travel (module docstring);
+    its index tensors made once on ``device``."""
     docs = [(i, a, b) for i, cuts in enumerate(bounds) for a, b in zip(cuts[:-1], cuts[1:])]
     home: list[list[Doc]] = [[] for _ in range(ranks)]
     shared: list[Doc] = []
@@ -109,18 +111,17 @@ def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int) -> Doc
     return DocumentPlan(
         home=tuple((slice(i, i + 1), slice(None), slice(a - rank * local_len, b - rank * local_len))
                    for i, a, b in home[rank]),
-        sample=torch.tensor([i for i, _ in mine], dtype=torch.long),
-        position=torch.tensor([p for _, p in mine], dtype=torch.long),
+        sample=torch.tensor([i for i, _ in mine], dtype=torch.long, device=device),
+        position=torch.tensor([p for _, p in mine], dtype=torch.long, device=device),
         counts=tuple(len(t) for t in tokens),
-        order=torch.tensor([offsets[r] + j for rows in where for r, j in rows], dtype=torch.long),
+        order=torch.tensor([offsets[r] + j for rows in where for r, j in rows], dtype=torch.long, device=device),
         lengths=tuple(b - a for _, a, b in shared))
 
 
 def _tokens(t_bnsd: torch.Tensor, plan: DocumentPlan, u: int) -> torch.Tensor:
     """This rank's shared tokens of ``t``, heads by destination: [u, t, n/u, d] (a view of one gathered copy)."""
     b, n, s, d = t_bnsd.shape
-    rows = t_bnsd.transpose(1, 2).view(b, s, u, n // u, d)[plan.sample.to(t_bnsd.device),
-                                                               plan.position.to(t_bnsd.device)]
+    rows = t_bnsd.transpose(1, 2).view(b, s, u, n // u, d)[plan.sample, plan.position]
     return rows.transpose(0, 1)
 
 
@@ -140,13 +141,13 @@ def _outbound(plan: DocumentPlan, group: Group, u: int) -> tuple[list[int], list
 
 def _documents(recv: torch.Tensor, plan: DocumentPlan) -> torch.Tensor:
     """Received rows [rows, c, d] -> the shared documents' tokens, heads first: [c, T, d]."""
-    return recv.transpose(0, 1)[:, plan.order.to(recv.device)]
+    return recv.transpose(0, 1)[:, plan.order]
 
 
 def _to_sources(t_ctd: torch.Tensor, plan: DocumentPlan) -> torch.Tensor:
     """The inverse of ``_documents``: [c, T, d] -> rows in the order received, [rows, c, d]."""
     rows = t_ctd.new_empty(t_ctd.shape[1], t_ctd.shape[0], t_ctd.shape[2])
-    rows.transpose(0, 1)[:, plan.order.to(t_ctd.device)] = t_ctd
+    rows.transpose(0, 1)[:, plan.order] = t_ctd
     return rows
 
 
@@ -154,7 +155,7 @@ def _put(dst_bnsd: torch.Tensor, recv: torch.Tensor, u: int, plan: DocumentPlan)
     """Write the returned rows ([u·t, w, d], source r holding heads r) at this rank's shared tokens."""
     b, n, s, d = dst_bnsd.shape
     t = recv.shape[0] // u
-    dst_bnsd.transpose(1, 2).view(b, s, u, n // u, d)[plan.sample.to(recv.device), plan.position.to(recv.device)] = \
+    dst_bnsd.transpose(1, 2).view(b, s, u, n // u, d)[plan.sample, plan.position] = \
         recv.view(u, t, *recv.shape[1:]).transpose(0, 1)
 
 
@@ -170,7 +171,7 @@ class _DocumentsA2A(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
                 bounds: Bounds) -> torch.Tensor:
         u, me = dist.get_world_size(group), dist.get_rank(group)
-        plan = plan_documents(bounds, u, me, q.shape[2])
+        plan = plan_documents(bounds, u, me, q.shape[2], q.device)
         widths = (q.shape[1] // u, k.shape[1] // u, v.shape[1] // u)
         pending = _start([_tokens(t, plan, u) for t in (q, k, v)], *_outbound(plan, group, u), group) \
             if plan.shared_tokens else None

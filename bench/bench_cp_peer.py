@@ -9,7 +9,10 @@ repetition times every row once, in turn (a barrier before each, the slowest ran
 load from other work on the machine falls on all rows alike. Medians over ``--repeats`` after one
 untimed round, of wall time and of CPU time (process time of the busiest rank, which other load does
 not inflate, but which misses time spent waiting on the peer rank). The "no exchange" row is a floor:
-the attention one Ulysses rank computes (n/cp heads of the whole sequence), with no exchange. Default
+the attention one Ulysses rank computes (n/cp heads of the whole sequence), with no exchange. The
+"a2a, free exchange" row is megazero's all-to-all attention with every all-to-all replaced by a local
+copy (wrong values, not checked): what the a2a row would take over a transport that costs nothing, an
+upper bound on what any faster exchange could buy. Default
 workload: the gpt2 of bench/bench_cp.py (4 heads of 64), 4096 tokens, documents of 1 to 1023 tokens
 (mean ~512, seeded), batch 1.
 
@@ -23,6 +26,7 @@ are checked against each other before timing (the same attention, so they must a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -36,7 +40,7 @@ import torch.multiprocessing as mp
 
 from bench.results import add_out_flag, emit, results_header
 
-ROWS = ("megazero p2p", "megazero a2a", "deepspeed-ulysses", "no exchange")
+ROWS = ("megazero p2p", "megazero a2a", "deepspeed-ulysses", "no exchange", "a2a, free exchange")
 
 
 def document_lengths(seq: int, seed: int = 0, longest: int = 1023) -> list[int]:
@@ -57,8 +61,37 @@ def document_bounds(seq: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
     return (tuple(cuts),)
 
 
+class _Done:
+    """The handle of an all-to-all that already happened."""
+
+    def wait(self, *args) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _free_exchange():
+    """megazero's all-to-alls become a local copy of as many elements as both buffers hold (the rest
+    zeroed): the a2a row's compute and packing with an exchange that costs only a memcpy."""
+    from megazero.parallel import collectives
+
+    real = collectives.all_to_all_single
+
+    def local(out, t, group, async_op=False, out_splits=None, in_splits=None):
+        n = min(out.numel(), t.numel())
+        out.view(-1)[:n].copy_(t.reshape(-1)[:n])
+        out.view(-1)[n:].zero_()
+        return _Done() if async_op else None
+
+    collectives.all_to_all_single = local
+    try:
+        yield
+    finally:
+        collectives.all_to_all_single = real
+
+
 def _attentions(rank: int, cp: int, bounds) -> dict:
-    """Row name -> (f(q, k, v), CPSplit of its tokens, whether it takes [b, s, n, d])."""
+    """Row name -> (f(q, k, v), CPSplit of its tokens, whether it takes [b, s, n, d], the context it
+    runs in)."""
     from bench.peers.deepspeed_ulysses import ulysses_attention
     from megazero.context_parallel import CPContext, CPSplit
     from megazero.context_parallel.attention import cp_attention
@@ -66,10 +99,12 @@ def _attentions(rank: int, cp: int, bounds) -> dict:
     group = dist.new_group(list(range(cp)))
     p2p = CPContext(group=group, rank=rank, comm_type="p2p", split=CPSplit(cp, 1), ring_group=group)
     a2a = CPContext(group=group, rank=rank, comm_type="a2a", split=CPSplit(cp, cp), a2a_group=group)
-    return {ROWS[0]: (lambda q, k, v: cp_attention(q, k, v, p2p, bounds), p2p.split, False),
-            ROWS[1]: (lambda q, k, v: cp_attention(q, k, v, a2a, bounds), a2a.split, False),
-            ROWS[2]: (ulysses_attention(group, bounds), a2a.split, True),
-            ROWS[3]: (functools.partial(_local_only, cp=cp, bounds=bounds), a2a.split, False)}
+    plain = contextlib.nullcontext
+    return {ROWS[0]: (lambda q, k, v: cp_attention(q, k, v, p2p, bounds), p2p.split, False, plain),
+            ROWS[1]: (lambda q, k, v: cp_attention(q, k, v, a2a, bounds), a2a.split, False, plain),
+            ROWS[2]: (ulysses_attention(group, bounds), a2a.split, True, plain),
+            ROWS[3]: (functools.partial(_local_only, cp=cp, bounds=bounds), a2a.split, False, plain),
+            ROWS[4]: (lambda q, k, v: cp_attention(q, k, v, a2a, bounds), a2a.split, False, _free_exchange)}
 
 
 def _local_only(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int, bounds) -> torch.Tensor:
@@ -92,13 +127,15 @@ def _inputs(args: argparse.Namespace, rank: int, split, bshd: bool) -> list[torc
     return [t.transpose(1, 2).contiguous() if bshd else t for t in local]
 
 
-def _time(f, inputs: list[torch.Tensor], group) -> tuple[list[float], torch.Tensor]:
+def _time(row: tuple, inputs: list[torch.Tensor], group) -> tuple[list[float], torch.Tensor]:
     """Forward + backward of one call: [wall seconds, CPU seconds] of the slowest rank, and the output."""
+    f, context = row[0], row[3]
     q, k, v = (t.detach().requires_grad_() for t in inputs[:3])
     dist.barrier(group=group)
     start, cpu = time.perf_counter(), time.process_time()
-    out = f(q, k, v)
-    out.backward(inputs[3])
+    with context():
+        out = f(q, k, v)
+        out.backward(inputs[3])
     took = torch.tensor([time.perf_counter() - start, time.process_time() - cpu])
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
     return took.tolist(), out.detach()
@@ -112,15 +149,15 @@ def _rank(rank: int, args: argparse.Namespace, init: str, out_dir: str) -> None:
     for masked in (False, True):
         bounds = document_bounds(args.seq) if masked else None
         rows = _attentions(rank, args.cp, bounds)
-        inputs = {name: _inputs(args, rank, split, bshd) for name, (_, split, bshd) in rows.items()}
+        inputs = {name: _inputs(args, rank, row[1], row[2]) for name, row in rows.items()}
         outs = {}
-        for name, (f, _, _) in rows.items():  # the untimed round; its outputs are compared
-            outs[name] = _time(f, inputs[name], group)[1]
+        for name, row in rows.items():  # the untimed round; its outputs are compared
+            outs[name] = _time(row, inputs[name], group)[1]
         for rep in range(args.repeats):
             order = list(rows) if rep % 2 == 0 else list(reversed(rows))  # alternate who goes first
             for name in order:
                 times.setdefault(f"{name}{' masked' if masked else ''}", []).append(
-                    _time(rows[name][0], inputs[name], group)[0])
+                    _time(rows[name], inputs[name], group)[0])
         _check_agreement(outs, rank)
     if rank == 0:
         with open(os.path.join(out_dir, "times.json"), "w") as f:

@@ -170,8 +170,8 @@ class RunPlan:
 
 def layout_record(layout: Layout, zero: int, virtual_stages: int) -> dict[str, Any]:
     """The one schema of a recorded layout (a converter writes it for a layout it never runs)."""
-    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "zero": int(zero),
-            "virtual_stages": virtual_stages}
+    return {"tp": layout.tp, "cp": layout.cp, "pp": layout.pp, "dp": layout.dp, "ep": layout.ep,
+            "etp": layout.expert_tp, "zero": int(zero), "virtual_stages": virtual_stages}
 
 
 def _placement(cfg: Config) -> StatePlacement:

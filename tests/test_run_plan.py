@@ -31,7 +31,8 @@ def test_interleaved_tp_sp_layout():
     assert (plan.vocab_size, plan.padded_vocab_size) == (300, 512)
     assert plan.zero is ZeroStage.OPTIMIZER_STATE and plan.zero.shards_optimizer_state
     assert not plan.zero.shards_gradients and not plan.zero.shards_parameters
-    assert plan.layout_record() == {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "zero": 1, "virtual_stages": 2}
+    assert plan.layout_record() == {"tp": 2, "cp": 1, "pp": 2, "dp": 2, "ep": 1, "etp": 2, "zero": 1,
+                                   "virtual_stages": 2}
 
 
 def test_data_parallel_only_bf16_zero2():

@@ -352,8 +352,7 @@ def _metadata(cfg: Config, plan: RunPlan, iteration: int, consumed_samples: int,
             slot.setdefault("files", {})[entry["file"]] = entry["region"]
     optim_files = {p["optim"]["file"]: {k: v for k, v in p["optim"].items() if k != "file"}
                    for p in pieces if p["optim"] is not None}
-    layout = {**plan.layout_record(), "ep": plan.layout.ep, "etp": plan.layout.expert_tp}
     return storage.metadata_dict(
         config=cfg.to_flat(), iteration=iteration, consumed_samples=consumed_samples, model=model,
-        layout=layout, optimizer_scalars=scalars, optimizer_files=optim_files,
+        layout=plan.layout_record(), optimizer_scalars=scalars, optimizer_files=optim_files,
         rng_files=True)

@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import metrics_records
 
 FLAGS = ["--config", "configs/tiny.yaml", "--tp", "2", "--pp", "2", "--zero", "3", "--train-iters", "6",
          "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1"]
@@ -19,11 +19,7 @@ RESUMED_FROM = 3
 
 
 def _run(tmp_path, name: str, extra: list[str]) -> list[dict]:
-    metrics = tmp_path / f"{name}.jsonl"
-    results = launch("pretrain_gpt.py", [*FLAGS, *extra, "--metrics-file", str(metrics)], 8, timeout=600)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return metrics_records(tmp_path / f"{name}.jsonl", [*FLAGS, *extra], 8, timeout=600)
 
 
 def _steps(records: list[dict]) -> list[tuple]:

@@ -50,12 +50,17 @@ def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
     return results
 
 
-def train_records(metrics, args: list[str], nproc: int) -> list[dict]:
+def metrics_records(metrics, args: list[str], nproc: int, timeout: float = 300) -> list[dict]:
     """Run pretrain_gpt.py on ``nproc`` ranks writing ``metrics`` (a path); every rank must exit 0.
-    Returns the per-iteration records of the metrics file (start-up events left out)."""
+    Returns every record of the metrics file, start-up events included."""
     import json
 
-    results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc)
+    results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc, timeout=timeout)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"{metrics} rank {rank} failed:\n{r.stderr[-3000:]}"
-    return [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]
+    return [json.loads(line) for line in open(metrics).read().splitlines()]
+
+
+def train_records(metrics, args: list[str], nproc: int) -> list[dict]:
+    """As ``metrics_records``, the per-iteration records only (start-up events left out)."""
+    return [r for r in metrics_records(metrics, args, nproc) if "event" not in r]

@@ -16,13 +16,12 @@ peaks, ``test_moe_plan.py``; their sum with the dense peak is an upper bound). T
 """
 from __future__ import annotations
 
-import json
 
 from megazero.arguments import parse_config
 from megazero.memory import PlanSpec, plan_memory
 from megazero.memory.experts import expert_params
 from megazero.run_plan import RunPlan
-from tests.helpers.launch import launch
+from tests.helpers.launch import metrics_records
 
 MIB = 2**20
 CAP = 40 * MIB  # model state (params + grads + optimizer) per rank
@@ -47,11 +46,7 @@ def test_the_cap_binds_on_one_rank():
 
 
 def _train(tmp_path, name: str, extra: list[str]) -> list[dict]:
-    metrics = tmp_path / f"{name}.jsonl"
-    results = launch("pretrain_gpt.py", [*FLAGS, *extra, "--metrics-file", str(metrics)], 4, timeout=600)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
-    return [json.loads(line) for line in metrics.read_text().splitlines()]
+    return metrics_records(tmp_path / f"{name}.jsonl", [*FLAGS, *extra], 4, timeout=600)
 
 
 def test_experts_over_the_cap_train_under_it_at_ep4_and_at_ep2_with_zero3(tmp_path):

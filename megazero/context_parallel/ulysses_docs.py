@@ -69,7 +69,7 @@ class DocumentPlan:
     sample, position: its tokens in shared documents ([t] each, in (sample, position) order): what it sends.
     counts: every rank's t (the rows each source sends; the all-to-all's splits).
     order: received rows (source by source) -> the shared documents' tokens, document by document.
-    lengths: the shared documents' lengths in that order.
+    spans: each shared document's run of those tokens, in that order.
     """
 
     home: tuple[tuple[slice, slice, slice], ...]
@@ -77,11 +77,11 @@ class DocumentPlan:
     position: torch.Tensor
     counts: tuple[int, ...]
     order: torch.Tensor
-    lengths: tuple[int, ...]
+    spans: tuple[slice, ...]
 
     @property
     def shared_tokens(self) -> int:
-        return sum(self.lengths)
+        return self.spans[-1].stop if self.spans else 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -107,6 +107,7 @@ def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int,
             tokens[r] += [(i, p - r * local_len) for p in range(lo, hi)]
         where.append(rows)
     offsets = [sum(len(t) for t in tokens[:r]) for r in range(ranks)]
+    starts = [sum(b - a for _, a, b in shared[:j]) for j in range(len(shared) + 1)]
     mine = tokens[rank]
     return DocumentPlan(
         home=tuple((slice(i, i + 1), slice(None), slice(a - rank * local_len, b - rank * local_len))
@@ -115,7 +116,7 @@ def plan_documents(bounds: Bounds, ranks: int, rank: int, local_len: int,
         position=torch.tensor([p for _, p in mine], dtype=torch.long, device=device),
         counts=tuple(len(t) for t in tokens),
         order=torch.tensor([offsets[r] + j for rows in where for r, j in rows], dtype=torch.long, device=device),
-        lengths=tuple(b - a for _, a, b in shared))
+        spans=tuple(slice(a, b) for a, b in zip(starts[:-1], starts[1:])))
 
 
 def _tokens(t_bnsd: torch.Tensor, plan: DocumentPlan, u: int) -> torch.Tensor:
@@ -159,11 +160,6 @@ def _put(dst_bnsd: torch.Tensor, recv: torch.Tensor, u: int, plan: DocumentPlan)
         recv.view(u, t, *recv.shape[1:]).transpose(0, 1)
 
 
-def _spans(plan: DocumentPlan) -> list[slice]:
-    starts = [sum(plan.lengths[:i]) for i in range(len(plan.lengths))]
-    return [slice(a, a + n) for a, n in zip(starts, plan.lengths)]
-
-
 class _DocumentsA2A(torch.autograd.Function):
     """Forward/backward of the module docstring's scheme (q, k, v: this rank's [b, heads, s, d])."""
 
@@ -186,7 +182,7 @@ class _DocumentsA2A(torch.autograd.Function):
             qs, ks, vs = _documents(recv, plan).split(widths, dim=0)
             out_s = torch.empty_like(qs)
             lse_s = qs.new_empty(qs.shape[:2], dtype=acc_dtype(q.dtype))
-            for span in _spans(plan):
+            for span in plan.spans:
                 o, l_ = block_forward(qs[:, span].unsqueeze(0), ks[:, span].unsqueeze(0), vs[:, span].unsqueeze(0),
                                       True)
                 out_s[:, span], lse_s[:, span] = o[0], l_[0]
@@ -218,7 +214,7 @@ class _DocumentsA2A(torch.autograd.Function):
             dout_s = _documents(recv, plan)
             grads_s = dout_s.new_empty(sum(ctx.widths), *dout_s.shape[1:])
             parts = grads_s.split(ctx.widths, dim=0)
-            for span in _spans(plan):
+            for span in plan.spans:
                 q1, k1, v1, o1, l1, d1 = (t[:, span].unsqueeze(0) for t in (qs, ks, vs, out_s, lse_s, dout_s))
                 got = block_backward(d1, q1, k1, v1, o1, l1, True)
                 for part, g in zip(parts, got):

@@ -59,7 +59,7 @@ def adamw_shard_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Te
     torch's fused AdamW kernel (what ``torch.optim.AdamW(fused=True)`` runs): one pass over
     memory instead of the seven an op-by-op update makes, several times faster on CPU too.
     """
-    steps = torch.tensor(float(step), device=master.device)
+    steps = torch.full((), float(step), device=master.device)  # filled on the device: no host-to-device copy
     for decay, ranges in zip((h.weight_decay, 0.0), runs):
         if not ranges:
             continue

@@ -82,7 +82,7 @@ class OptimizerConfig:
 
 
 # a compiled block would be re-traced for every micro-batch's document layout
-_WITHOUT_COMPILE = Needs("no --compile", ("compile",), lambda compile: not compile)
+_WITHOUT_COMPILE = Needs("--no-compile", ("compile",), lambda compile: not compile)
 
 
 @dataclass(frozen=True, kw_only=True)

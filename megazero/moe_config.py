@@ -78,7 +78,8 @@ class MoEFields:
                 "gradient; add --moe-router-pre-softmax (or use --moe-router-score-function sigmoid).")
         require(self.moe_aux_loss_coeff == 0 or self.moe_router_load_balancing_type != "none",
                 f"--moe-aux-loss-coeff {self.moe_aux_loss_coeff} needs a balancing loss; pass "
-                f"--moe-router-load-balancing-type aux_loss or seq_aux_loss, or drop the coefficient.")
+                f"--moe-router-load-balancing-type aux_loss or seq_aux_loss, or --moe-aux-loss-coeff 0 (a preset or "
+                f"a checkpoint may have set it).")
         self._check_groups(experts, k)
         self.moe_layer_pattern(num_layers)  # raises ConfigError for a malformed or wrong-length pattern
 

@@ -3,13 +3,15 @@
 Each line must name the flag to pass, in the spelling the command line takes: ``--no-compile`` (the
 message once said "pass no --compile"), and ``--moe-aux-loss-coeff 0`` where the coefficient came from
 configs/moe-tiny.yaml rather than from the command (the message once said "drop the coefficient", which
-a user who never typed it cannot do).
+a user who never typed it cannot do). A checkpoint converted from HF Mixtral resumes under the preset that
+trained the model (the experts' width was compared by its spelling, not its meaning).
 """
 from __future__ import annotations
 
 import pytest
 
 from megazero.arguments import parse_config
+from megazero.checkpoint.load import merge_config
 from megazero.config import ConfigError
 from megazero.run_plan import RunPlan
 
@@ -36,3 +38,17 @@ def test_a_preset_aux_loss_coefficient_without_a_balancing_loss_names_the_flag_t
     # the flag it names is accepted: the same command with it passes
     parse_config(["--config", "configs/moe-tiny.yaml", "--moe-router-load-balancing-type", "none",
                   "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "0"])
+
+
+def test_a_mixtral_import_resumes_under_the_preset_that_trained_it(tmp_path):
+    """An HF Mixtral converted to megazero records its experts' width as --ffn-hidden-size (no
+    --moe-ffn-hidden-size); configs/moe-tiny.yaml names it as --moe-ffn-hidden-size 256, the same model."""
+    imported = parse_config(["--config", "configs/moe-tiny.yaml", "--ffn-hidden-size", "256"])[0].to_flat()
+    imported["moe_ffn_hidden_size"] = None
+    given = parse_config(["--config", "configs/moe-tiny.yaml", "--load", str(tmp_path)])[0]
+    merged = merge_config({"config": imported}, given)[0]  # before: "... contradicts the checkpoint's None"
+    assert merged.model.moe_ffn_size == 256
+    with pytest.raises(ConfigError, match=r"^--moe-ffn-hidden-size 128 contradicts the checkpoint's None \(i\.e\. "
+                                          r"moe_ffn_size 256\); drop the flag"):
+        merge_config({"config": imported}, parse_config(["--config", "configs/moe-tiny.yaml", "--load", str(tmp_path),
+                                                         "--moe-ffn-hidden-size", "128"])[0])

@@ -37,7 +37,7 @@ RUN_TIME_KEYS = frozenset({"hidden_dropout", "attention_dropout", "init_method_s
 # How a setting is compared: by what it resolves to, so None and an explicit equal value agree.
 RESOLVED = {"num_query_groups": "query_groups", "ffn_hidden_size": "ffn_size",
             "untie_embeddings_and_output_weights": "tied_embeddings", "max_position_embeddings": "position_table_size",
-            "kv_channels": "head_dim"}
+            "kv_channels": "head_dim", "moe_ffn_hidden_size": "moe_ffn_size"}
 
 class ShardReader:
     """Opens shard files on demand and reads tensor slices with clear errors."""
@@ -102,9 +102,14 @@ def model_keys() -> list[str]:
 
 
 def _meaning(values: dict[str, Any], key: str) -> Any:
-    """What a setting means for the model (e.g. ffn_hidden_size None -> the derived MLP width)."""
+    """What a setting means for the model (e.g. ffn_hidden_size None -> the derived MLP width; moe_ffn_hidden_size
+    None -> that width, as an HF Mixtral import records its experts' width)."""
     prop = RESOLVED.get(key)
-    return getattr(ModelConfig, prop).fget(SimpleNamespace(**values)) if prop else values[key]
+    if prop is None:
+        return values[key]
+    view = SimpleNamespace(**values)
+    view.ffn_size = ModelConfig.ffn_size.fget(view)  # what moe_ffn_size reads
+    return getattr(ModelConfig, prop).fget(view)
 
 
 def _shown(value: Any, meaning: Any, key: str) -> str:

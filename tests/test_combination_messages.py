@@ -4,7 +4,8 @@ Each line must name the flag to pass, in the spelling the command line takes: ``
 message once said "pass no --compile"), and ``--moe-aux-loss-coeff 0`` where the coefficient came from
 configs/moe-tiny.yaml rather than from the command (the message once said "drop the coefficient", which
 a user who never typed it cannot do). A checkpoint converted from HF Mixtral resumes under the preset that
-trained the model (the experts' width was compared by its spelling, not its meaning).
+trained the model (the experts' width was compared by its spelling, not its meaning), and
+convert_checkpoint.py names its own --input when that folder holds no checkpoint.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from megazero.arguments import parse_config
 from megazero.checkpoint.load import merge_config
 from megazero.config import ConfigError
 from megazero.run_plan import RunPlan
+from tests.helpers.tool_module import load_tool
 
 
 def _refusal(argv: list[str]) -> str:
@@ -52,3 +54,13 @@ def test_a_mixtral_import_resumes_under_the_preset_that_trained_it(tmp_path):
                                           r"moe_ffn_size 256\); drop the flag"):
         merge_config({"config": imported}, parse_config(["--config", "configs/moe-tiny.yaml", "--load", str(tmp_path),
                                                          "--moe-ffn-hidden-size", "128"])[0])
+
+
+def test_convert_names_its_own_flag_for_a_folder_without_a_checkpoint(tmp_path, capsys):
+    """convert_checkpoint.py takes the checkpoint as --input; its refusal once said '--load ... holds no checkpoint'."""
+    code = load_tool("convert_checkpoint").main(["--input", str(tmp_path), "--output", str(tmp_path / "hf"),
+                                                 "--to", "hf"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == (f"convert_checkpoint.py: error: --input {str(tmp_path)!r} holds no checkpoint (no latest file and "
+                   f"no metadata.json); pass the --save folder of an earlier run."), err

@@ -48,7 +48,7 @@ def _tokenizer_for(cfg, explicit: str | None, explicit_type: str | None) -> tupl
 
 
 def _to_hf(args: argparse.Namespace) -> None:
-    cfg, state = read_full_state(args.input)
+    cfg, state = read_full_state(args.input, flag="--input")
     tokenizer, kind = _tokenizer_for(cfg, args.tokenizer_model, args.tokenizer_type)
     removed = save_hf(args.output, cfg.model, state, tokenizer, int(args.max_shard_size * 2**30),
                       tokenizer_type=kind, dtype=DTYPES[args.dtype] if args.dtype else None)

@@ -36,13 +36,13 @@ from .slices import Region, expert_region, relative, tp_region
 State = dict[str, torch.Tensor]
 
 
-def read_full_state(path: str, tp: int | None = None) -> tuple[Config, State]:
+def read_full_state(path: str, tp: int | None = None, flag: str = "--load") -> tuple[Config, State]:
     """Every tensor of a megazero checkpoint, reassembled at full size.
 
     Vocabulary padding is kept as saved, or fitted to ``tp`` when given (``tp=1`` gives
     the state dict of a serial ``GPTModel``).
     """
-    folder = storage.resolve(path)
+    folder = storage.resolve(path, flag)
     meta = storage.read_metadata(folder)
     cfg = Config.from_flat(meta["config"])
     reader, state = ShardReader(folder), {}

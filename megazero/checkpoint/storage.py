@@ -157,22 +157,23 @@ def rotate(root: str, keep_last: int, protect: tuple[str, ...] = ()) -> list[str
     return removed
 
 
-def resolve(path: str) -> str:
-    """The checkpoint folder for ``--load PATH``: PATH itself, or what PATH/latest names."""
+def resolve(path: str, flag: str = "--load") -> str:
+    """The checkpoint folder for ``--load PATH``: PATH itself, or what PATH/latest names (errors name ``flag``,
+    the option that gave PATH: a tool reading a checkpoint takes it as ``--input``)."""
     if os.path.isfile(os.path.join(path, METADATA)):
         return path
     latest = os.path.join(path, LATEST)
     if not os.path.isfile(latest):
-        raise ValueError(f"--load {path!r} holds no checkpoint (no {LATEST} file and no {METADATA}); "
+        raise ValueError(f"{flag} {path!r} holds no checkpoint (no {LATEST} file and no {METADATA}); "
                          f"pass the --save folder of an earlier run.")
     try:
         with open(latest) as fh:
             name = fh.read().strip()
     except (OSError, ValueError) as err:
-        raise ValueError(f"{latest!r} is unreadable ({err}); point --load at an iter_* folder.") from None
+        raise ValueError(f"{latest!r} is unreadable ({err}); point {flag} at an iter_* folder.") from None
     if not re.fullmatch(r"iter_\d{7}", name):
         raise ValueError(f"{latest!r} names {name[:80]!r}, not an iter_NNNNNNN folder; "
-                         f"point --load at an iter_* folder.")
+                         f"point {flag} at an iter_* folder.")
     folder = os.path.join(path, name)
     if not os.path.isfile(os.path.join(folder, METADATA)):  # a crash while re-saving it: the old copy, aside
         asides = sorted(n for n in os.listdir(path) if n.startswith(name + ASIDE))
@@ -180,7 +181,7 @@ def resolve(path: str) -> str:
     if not os.path.isfile(os.path.join(folder, METADATA)):
         what = "which is missing" if not os.path.exists(folder) else f"which has no {METADATA}"
         raise ValueError(f"{latest!r} names {folder!r}, {what}; the checkpoint is gone or incomplete - "
-                         f"point --load at an earlier iter_* folder.")
+                         f"point {flag} at an earlier iter_* folder.")
     return folder
 
 

@@ -108,8 +108,9 @@ def _meaning(values: dict[str, Any], key: str) -> Any:
     if prop is None:
         return values[key]
     view = SimpleNamespace(**values)
-    view.ffn_size = ModelConfig.ffn_size.fget(view)  # what moe_ffn_size reads
-    return getattr(ModelConfig, prop).fget(view)
+    for name in ("ffn_size", prop):  # ffn_size first: moe_ffn_size reads it
+        setattr(view, name, getattr(ModelConfig, name).fget(view))
+    return getattr(view, prop)
 
 
 def _shown(value: Any, meaning: Any, key: str) -> str:

@@ -5,7 +5,8 @@ message once said "pass no --compile"), and ``--moe-aux-loss-coeff 0`` where the
 configs/moe-tiny.yaml rather than from the command (the message once said "drop the coefficient", which
 a user who never typed it cannot do). A checkpoint converted from HF Mixtral resumes under the preset that
 trained the model (the experts' width was compared by its spelling, not its meaning), and
-convert_checkpoint.py names its own --input when that folder holds no checkpoint.
+convert_checkpoint.py names its own --input when that folder holds no checkpoint. A resume that drops the
+document-masking switches is told so.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from megazero.arguments import parse_config
 from megazero.checkpoint.load import merge_config
+from megazero.checkpoint.overridable import document_change_line
 from megazero.config import ConfigError
 from megazero.run_plan import RunPlan
 from tests.helpers.tool_module import load_tool
@@ -64,3 +66,19 @@ def test_convert_names_its_own_flag_for_a_folder_without_a_checkpoint(tmp_path, 
     assert code == 2
     assert err == (f"convert_checkpoint.py: error: --input {str(tmp_path)!r} holds no checkpoint (no latest file and "
                    f"no metadata.json); pass the --save folder of an earlier run."), err
+
+
+DOC = ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+
+
+def test_a_resume_without_the_document_switches_is_told_so(tmp_path):
+    """A checkpoint saved under document masking, resumed with only --load (the model flags come from the
+    checkpoint, the data switches do not): the run once trained without the masks and said nothing."""
+    saved = {"config": parse_config(["--config", "configs/tiny.yaml", *DOC])[0].to_flat()}
+    bare = merge_config(saved, parse_config(["--load", str(tmp_path), "--eod-mask-loss"])[0])[0]
+    assert document_change_line(saved, bare) == (
+        "megazero: document masking differs from the run that saved the checkpoint: --no-reset-position-ids (the "
+        "checkpoint's run: --reset-position-ids), --no-reset-attention-mask (the checkpoint's run: "
+        "--reset-attention-mask); pass the same switches to keep its objective")
+    again = merge_config(saved, parse_config(["--load", str(tmp_path), *DOC])[0])[0]
+    assert document_change_line(saved, again) is None

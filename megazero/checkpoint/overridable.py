@@ -5,6 +5,9 @@ step) or how tokens reach their experts (a capacity, a debug router), never the 
 takes the checkpoint's value unless the flag is given (a converted checkpoint, saved with coefficient
 0, can then be trained with a balancing loss), and says so in one line. The routing function itself
 (--moe-router-topk, the score function, ...) stays model-defining: the trained weights assume it.
+
+The document-masking switches are data settings and never come from a checkpoint; a resume that sets them
+unlike the saving run (typically by omitting them) is told so in one line.
 """
 from __future__ import annotations
 
@@ -26,3 +29,23 @@ def overrides_line(meta: dict[str, Any], cfg: Config) -> str | None:
     if not changed:
         return None
     return f"megazero: training settings given over the checkpoint's: {', '.join(changed)}; the weights are the same"
+
+
+DOCUMENT_KEYS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
+
+
+def _switch(key: str, on: bool) -> str:
+    return flag(key if on else "no_" + key)
+
+
+def document_change_line(meta: dict[str, Any], cfg: Config) -> str | None:
+    """The line naming each document-masking switch this run sets unlike the run that saved the checkpoint;
+    None when they agree. They are data settings, never taken from a checkpoint (unlike the model's), so a
+    resume that omits them would otherwise train another objective without a word."""
+    saved, run = meta["config"], cfg.to_flat()
+    changed = [f"{_switch(key, run[key])} (the checkpoint's run: {_switch(key, saved[key])})"
+               for key in DOCUMENT_KEYS if key in saved and saved[key] != run[key]]
+    if not changed:
+        return None
+    return (f"megazero: document masking differs from the run that saved the checkpoint: {', '.join(changed)}; "
+            f"pass the same switches to keep its objective")

@@ -18,7 +18,7 @@ from torch import nn
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
 from ..checkpoint.checkpointer import open_checkpointer
-from ..checkpoint.overridable import overrides_line
+from ..checkpoint.overridable import document_change_line, overrides_line
 from ..config import Config, ConfigError
 from ..data import DataBundle, MicroBatchIterator, build_data
 from ..memory.params import num_parameters
@@ -275,6 +275,8 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
             f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")
         if overridden := overrides_line(found[1], cfg):
             say(overridden)
+        if documents := document_change_line(found[1], cfg):
+            say(documents)
     seed_everything(cfg.training.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
         f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")

@@ -6,9 +6,12 @@ configs/moe-tiny.yaml rather than from the command (the message once said "drop 
 a user who never typed it cannot do). A checkpoint converted from HF Mixtral resumes under the preset that
 trained the model (the experts' width was compared by its spelling, not its meaning), and
 convert_checkpoint.py names its own --input when that folder holds no checkpoint. A resume that drops the
-document-masking switches is told so.
+document-masking switches is told so, and --dry-run of configs/tiny.yaml plans the default corpus's vocabulary.
 """
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -17,6 +20,7 @@ from megazero.checkpoint.load import merge_config
 from megazero.checkpoint.overridable import document_change_line
 from megazero.config import ConfigError
 from megazero.run_plan import RunPlan
+from tests.helpers.launch import ROOT
 from tests.helpers.tool_module import load_tool
 
 
@@ -82,3 +86,18 @@ def test_a_resume_without_the_document_switches_is_told_so(tmp_path):
         "--reset-attention-mask); pass the same switches to keep its objective")
     again = merge_config(saved, parse_config(["--load", str(tmp_path), *DOC])[0])[0]
     assert document_change_line(saved, again) is None
+
+
+def _dry_run(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", *flags], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+
+
+def test_dry_run_of_the_tiny_preset_plans_the_default_corpus_vocabulary():
+    """configs/tiny.yaml trains on the default corpus; its --dry-run was refused with 'the memory plan needs the
+    vocabulary: pass --vocab-size (or --tokenizer-model)' though a run knows it: the same plan as --vocab-size 8000."""
+    given = ["--config", "configs/tiny.yaml", "--memory-budget-gb", "80"]
+    implied, explicit = _dry_run(*given), _dry_run(*given, "--vocab-size", "8000")
+    assert implied.returncode == 0, implied.stderr
+    assert explicit.returncode == 0 and "model: gpt2, 0.005 B parameters" in explicit.stdout, explicit.stderr
+    assert implied.stdout == explicit.stdout

@@ -28,6 +28,8 @@ from typing import Callable, Iterator
 from .preprocess import tokenize_documents, write_documents
 from .tokenizer import Tokenizer, train_sentencepiece
 
+DEFAULT_VOCAB_SIZE = 8000  # the default corpus's tokenizer: what a run without --tokenizer-model trains with
+
 CORPUS_VERSION = 1
 MAX_BYTES = 3_500_000
 MIN_DOC_CHARS = 20
@@ -127,7 +129,7 @@ def _build(folder: str, vocab_size: int, log: Callable[[str], None]) -> None:
         f"in {time.perf_counter() - start:.1f} s")
 
 
-def default_corpus(vocab_size: int = 8000, cache_dir: str | None = None,
+def default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | None = None,
                    log: Callable[[str], None] = print) -> CorpusPaths:
     """Build (once) and return the default corpus and its tokenizer.
 

@@ -385,12 +385,17 @@ def planned_device(cfg: Config) -> str:
 
 
 def with_vocabulary(cfg: Config) -> Config:
-    """``cfg`` with the vocabulary of its --tokenizer-model when --vocab-size is not given."""
-    if cfg.model.vocab_size is None and cfg.data.tokenizer_model:
+    """``cfg`` with the vocabulary of its --tokenizer-model when --vocab-size is not given, or the default
+    corpus's when neither is (a run's tokenizer then; known without building the corpus)."""
+    if cfg.model.vocab_size is not None:
+        return cfg
+    if cfg.data.tokenizer_model:
         from ..data.tokenizer import load_tokenizer
 
         return cfg.updated(vocab_size=load_tokenizer(cfg.data.tokenizer_model).vocab_size)
-    return cfg
+    from ..data.corpus import DEFAULT_VOCAB_SIZE
+
+    return cfg.updated(vocab_size=DEFAULT_VOCAB_SIZE)
 
 
 def planned_world(cfg: Config, dp: int) -> int:

@@ -101,3 +101,11 @@ def test_dry_run_of_the_tiny_preset_plans_the_default_corpus_vocabulary():
     assert implied.returncode == 0, implied.stderr
     assert explicit.returncode == 0 and "model: gpt2, 0.005 B parameters" in explicit.stdout, explicit.stderr
     assert implied.stdout == explicit.stdout
+
+
+def test_dry_run_with_own_data_and_no_tokenizer_assumes_no_vocabulary(tmp_path):
+    """--data-path without --tokenizer-model is refused by a run, so its plan must not assume the default
+    corpus's 8000 tokens: it asks for the vocabulary instead."""
+    got = _dry_run("--config", "configs/tiny.yaml", "--data-path", str(tmp_path / "mine_text_document"))
+    assert got.returncode != 0
+    assert "the memory plan needs the vocabulary: pass --vocab-size (or --tokenizer-model)." in got.stderr, got.stderr

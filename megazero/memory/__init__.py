@@ -17,8 +17,8 @@ from .activations import ActivationSpec, chunk_activation_bytes, in_flight_micro
 from .grads import GradBytes, bucket_numels, grad_bytes
 from .params import StateBytes, chunk_params, model_state_bytes, num_parameters
 from .offload import OffloadBytes, OffloadHardware, offload_bytes, offload_seconds
-from .plan import (GIB, PLANNED_PATH, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_memory,
-                   planned_world, with_vocabulary)
+from .assumed import planned_world, with_vocabulary
+from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, StagePlan, format_plan, format_rows, plan_memory
 from .recompute_choice import plan_for_run
 from .search import Candidate, Hardware, format_candidates, search_layouts, step_time
 

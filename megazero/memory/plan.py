@@ -377,28 +377,3 @@ def _zero3_knobs(s: PlanSpec) -> str:
     g = s.gathering
     return (f" (units of {g.layers_per_unit} block{'s' if g.layers_per_unit > 1 else ''}, prefetch {g.prefetch}, "
             f"{'reshard' if g.reshard_after_forward else 'keep'} after forward)")
-
-
-def planned_device(cfg: Config) -> str:
-    """The device kind a plan assumes: cpu only when the run is on the CPU."""
-    return "cpu" if cfg.training.device == "cpu" else "cuda"
-
-
-def with_vocabulary(cfg: Config) -> Config:
-    """``cfg`` with the vocabulary of its --tokenizer-model when --vocab-size is not given, or the default
-    corpus's when neither is (a run's tokenizer then; known without building the corpus)."""
-    if cfg.model.vocab_size is not None:
-        return cfg
-    if cfg.data.tokenizer_model:
-        from ..data.tokenizer import load_tokenizer
-
-        return cfg.updated(vocab_size=load_tokenizer(cfg.data.tokenizer_model).vocab_size)
-    from ..data.corpus import DEFAULT_VOCAB_SIZE
-
-    return cfg.updated(vocab_size=DEFAULT_VOCAB_SIZE)
-
-
-def planned_world(cfg: Config, dp: int) -> int:
-    """Ranks of ``cfg``'s tp x cp x pp with ``dp`` data-parallel ranks: a world the planner only considers."""
-    return cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp * dp
-

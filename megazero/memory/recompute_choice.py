@@ -26,7 +26,8 @@ import torch
 
 from ..config import RECOMPUTE_MODES, Config, ConfigError
 from ..run_plan import RunPlan
-from .plan import GIB, MemoryPlan, PlanSpec, plan_memory, planned_device, with_vocabulary
+from .assumed import planned_device, with_vocabulary
+from .plan import GIB, MemoryPlan, PlanSpec, plan_memory
 
 MARGIN = 0.10  # of the budget, left free
 

@@ -56,7 +56,8 @@ from .activations import kv_heads_per_rank
 from .documents import document_lines, planned_attended_share, ring_hop_shares
 from .offload import OffloadHardware, describe
 from .moe_plan import dispatch_seconds, expert_layouts
-from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory, planned_device
+from .assumed import planned_device
+from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory
 
 DEVICE, HOST, DISK = Placement.DEVICE, Placement.HOST, Placement.DISK
 # (optimizer, params) placements a layout is retried with when it does not fit on the device; the

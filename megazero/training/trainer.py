@@ -4,21 +4,15 @@ Around the step it logs (console line, metrics file, wandb), evaluates on
 held-out batches every ``--eval-interval``, saves every ``--save-interval``,
 and on SIGTERM/SIGINT finishes the current step, saves and returns, so a
 preempted job leaves a checkpoint at the iteration it reached; a second
-signal ends the process at once, even inside a collective. Every orderly
+signal ends the process at once, even inside a collective (``stop_signal``). Every orderly
 stop (the end, a signal, a diverged run) concludes a pending --async-save
 before it leaves and says what ``latest`` names.
 """
 from __future__ import annotations
 
 import math
-import os
-import signal
-import sys
-import threading
 from typing import Any, Callable, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.checkpointer import Checkpointer, NullCheckpointer
@@ -28,7 +22,6 @@ from ..model.documents import attended_share
 from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
 from ..optimizer.protocol import TrainingOptimizer
-from ..parallel import collectives as C
 from ..parallel.state import ParallelState, group_rank, group_size
 from ..parallel.timer import DeviceTimer
 from ..pipeline.runner import Schedule, reduce_loss
@@ -37,75 +30,11 @@ from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
 from .moe_step import moe_step
 from .progress import Progress, summary
+from .stop_signal import StopSignal
 from .step_record import StepRecorder
 from .wandb_log import NullWandb, WandbRun
 
 NO_CHECKPOINTS, NO_WANDB = NullCheckpointer(), NullWandb()  # the defaults: a run that saves and logs nothing
-
-
-class StopSignal:
-    """First SIGTERM/SIGINT: finish the step, save, stop (all ranks agree). A second one: exit at once.
-
-    A Python handler runs only when the main thread is back in Python, which a rank blocked in a
-    C++ collective never is, so a second Ctrl-C would be swallowed too. The interpreter's C-level
-    handler also writes each signal's number to a wakeup fd; a small thread reads it, prints the
-    notice on the first signal and ends the process on the second, even mid-collective.
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, rank: int = 0) -> None:
-        self.received = False
-        self.rank = rank
-        self.previous: dict[int, Any] = {}
-        self._previous_fd = -1
-        self._write_fd: int | None = None
-
-    def install(self) -> None:
-        """Take over SIGTERM/SIGINT (main thread only) and start the watcher thread."""
-        for sig in self.SIGNALS:
-            self.previous[sig] = signal.signal(sig, self._handle)
-        read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)  # the C handler must never block
-        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(read_fd,), daemon=True, name="megazero-stop-signal").start()
-
-    def _handle(self, signum, frame) -> None:
-        self.received = True
-        signal.signal(signum, signal.SIG_DFL)  # the next one of this signal kills at kernel level
-
-    def _watch(self, read_fd: int) -> None:
-        seen = 0
-        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-            while byte := pipe.read(1):
-                if byte[0] not in self.SIGNALS:
-                    continue
-                seen += 1
-                self.received = True
-                name = signal.Signals(byte[0]).name
-                if seen == 1:
-                    print(f"megazero: rank {self.rank}: {name} received: will save after this step; "
-                          "send it again to exit at once", file=sys.stderr, flush=True)
-                else:
-                    print(f"megazero: rank {self.rank}: second {name}: exiting now without saving",
-                          file=sys.stderr, flush=True)
-                    os._exit(128 + byte[0])
-
-    def restore(self) -> None:
-        """Give the signals back; the watcher thread ends when its pipe closes."""
-        if self._write_fd is not None:
-            signal.set_wakeup_fd(self._previous_fd)
-            os.close(self._write_fd)
-            self._write_fd = None
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-        self.previous.clear()
-
-    def agreed(self, pstate: ParallelState) -> bool:
-        """True on every rank when any rank was signalled (one tiny all-reduce over the world)."""
-        flag = torch.tensor([float(self.received)], device=pstate.device)
-        C.all_reduce(flag, pstate.world_group, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
 
 
 class AgreedStop(ValueError):

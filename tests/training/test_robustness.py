@@ -17,6 +17,7 @@ import time
 import pytest
 
 from megazero.checkpoint import storage
+from megazero.training.stop_signal import StopSignal
 from tests.helpers.launch import ROOT, _free_port, launch
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -123,6 +124,24 @@ def test_first_sigint_saves_and_exits_zero(tmp_path):
     assert (ckpt / "latest").read_text().strip() == storage.iteration_dir(_logged(metrics)[-1])
 
 
+def test_a_sigterm_delivered_twice_at_once_still_saves(tmp_path):
+    """torchrun forwards SIGTERM to workers that got it from their process group too (Slurm's cancel,
+    ``timeout``): two deliveries milliseconds apart are one request, so the run saves and exits 0."""
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    procs = _start(1, ["--train-iters", "100000", "--save", str(ckpt), "--metrics-file", str(metrics)])
+    try:
+        _wait_for(metrics, 2, procs)
+        procs[0].send_signal(signal.SIGTERM)
+        time.sleep(0.1)  # apart enough to arrive as two signals (at once, the kernel merges them into one)
+        procs[0].send_signal(signal.SIGTERM)
+        _, err = procs[0].communicate(timeout=GUARD)
+    finally:
+        _kill(procs)
+    assert procs[0].returncode == 0, err[-2000:]
+    assert "exiting now without saving" not in err
+    assert (ckpt / "latest").read_text().strip() == storage.iteration_dir(_logged(metrics)[-1])
+
+
 def test_second_sigint_exits_at_once_while_stuck_in_a_collective(tmp_path):
     """Rank 1 is frozen (SIGSTOP) so rank 0 blocks in a collective; two SIGINTs still end rank 0.
 
@@ -136,7 +155,7 @@ def test_second_sigint_exits_at_once_while_stuck_in_a_collective(tmp_path):
         procs[1].send_signal(signal.SIGSTOP)
         time.sleep(1.0)  # rank 0 reaches the next collective with rank 1 and blocks there
         procs[0].send_signal(signal.SIGINT)
-        time.sleep(0.5)
+        time.sleep(3 * StopSignal.REPEAT_S)  # past the window in which a repeat counts as the same signal
         procs[0].send_signal(signal.SIGINT)
         _, err = procs[0].communicate(timeout=GUARD)  # a hang here is the bug: both signals swallowed
     finally:

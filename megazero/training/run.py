@@ -277,12 +277,28 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
             say(overridden)
         if documents := document_change_line(found[1], cfg):
             say(documents)
+    if beside := _unloaded_save_line(cfg, found):
+        say(beside)
     seed_everything(cfg.training.seed, pstate.pp_rank)
     say(f"megazero: building the {cfg.model.arch} model ({num_parameters(cfg.model, plan.tp) / 1e6:.2f}M "
         f"parameters), {plan.layout}, zero {int(plan.zero)}, {plan.micro_batches} micro-batches per step")
     say("megazero: " + describe_attention(cfg.model, plan.compute_dtype, pstate.device, plan.tp, plan.cp,
                                           plan.cp_comm_type))
     return cfg, plan, data
+
+
+def _unloaded_save_line(cfg: Config, found: tuple[str, dict[str, Any]] | None) -> str | None:
+    """One line when --save already holds a checkpoint this run does not continue: its saves go beside
+    that run's, ``latest`` will name its own, and --keep-last counts the older ones too."""
+    save = cfg.checkpoint.save
+    held = storage.latest_target(save) if save else None
+    if not save or not held or (found and os.path.samefile(os.path.dirname(os.path.abspath(found[0])), save)):
+        return None
+    how = f"--load {cfg.checkpoint.load}" if cfg.checkpoint.load else "no --load"
+    rotation = f"; --keep-last {cfg.checkpoint.keep_last} counts those too" if cfg.checkpoint.keep_last else ""
+    return (f"megazero: --save {save} already holds {os.path.basename(held)}, which this run does not continue "
+            f"({how}): its saves go beside it and `latest` will name them{rotation}; pass --load {save} to "
+            f"continue that run instead, or a new --save folder to keep the two apart")
 
 
 def _resolve_recompute(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable) -> Config:

@@ -55,7 +55,9 @@ class ParallelConfig:
     allow_tp_across_nodes: bool = opt(False, "Accept TP groups that span nodes (all-reduces cross the network).")
     pipeline_schedule: str | None = opt(None, "Pipeline schedule; None = 1f1b, or interleaved when virtual "
                                         "stages are given ('interleaved' needs them).",
-                                        choices=("gpipe", "1f1b", "interleaved"))
+                                        choices=("gpipe", "1f1b", "interleaved"),
+                                        applies=Needs("--pp 2 or more", ("pipeline_model_parallel_size",),
+                                                      lambda pp: pp > 1))
     num_layers_per_virtual_pipeline_stage: int | None = opt(
         None, "Layers per virtual stage (model chunk) for the interleaved schedule; None = one chunk per rank.",
         at_least=1)

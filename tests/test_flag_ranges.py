@@ -75,6 +75,7 @@ IGNORED = [  # (flags, the one line's start): each was accepted and did nothing 
     (["--offload-path", "off"], "--offload-path off only applies with --offload-optimizer or --offload-params disk"),
     (["--cp-comm-type", "a2a"], "--cp-comm-type a2a only applies with --cp 2 or more (here --cp 1)"),
     (["--cp", "2", "--cp-a2a-size", "2"], "--cp-a2a-size 2 only applies with --cp-comm-type a2a+p2p"),
+    (["--pipeline-schedule", "gpipe"], "--pipeline-schedule gpipe only applies with --pp 2 or more (here --pp 1)"),
     (["--recompute", "selective", "--recompute-num-layers", "2"],
      "--recompute-num-layers 2 only applies with --recompute full or auto (here --recompute selective)"),
     (["--memory-budget-gb", "8"], "--memory-budget-gb 8.0 only applies with --recompute auto (here --recompute none)"),

@@ -105,8 +105,7 @@ class DataConfig:
                                      applies=_WITHOUT_COMPILE)
     eod_mask_loss: bool = opt(False, "No loss where the input token is the EOD (its prediction of the next "
                               "document's first token); the loss is the mean over the kept tokens of the global "
-                              "batch.", applies=Needs("--cross-entropy-chunk-size 0", ("cross_entropy_chunk_size",),
-                                                      lambda chunk: chunk == 0))
+                              "batch.")
     plan_document_length: int | None = opt(None, "Memory planner, --dry-run and layout search under "
                                            "--reset-attention-mask: plan documents of this many tokens (the real "
                                            "lengths are known only once data is read); None = --seq-length, one "

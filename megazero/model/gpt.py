@@ -137,10 +137,17 @@ class GPTModel(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
 
     def _masked_loss(self, x: torch.Tensor, labels: torch.Tensor, documents: Documents) -> torch.Tensor:
-        """``loss_scale`` x the sum of the token losses the mask keeps (the fused head would only give a mean)."""
-        assert self.ce_chunk_size == 0, "--eod-mask-loss with --cross-entropy-chunk-size is refused by the config"
+        """``loss_scale`` x the sum of the token losses the mask keeps (fused with the head, chunk by chunk, under
+        --cross-entropy-chunk-size)."""
+        assert documents.loss_mask is not None
+        mask_sb = documents.loss_mask.t()
+        if self.ce_chunk_size > 0:
+            return fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
+                                              vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
+                                              sequence_parallel=self.ctx.sequence_parallel,
+                                              token_weights=mask_sb) * documents.loss_scale
         losses_sb = vocab_parallel_cross_entropy(self.logits_local(x), labels.t(), self.ctx.group, self.cfg.vocab_size)
-        return (losses_sb * documents.loss_mask.t().to(losses_sb.dtype)).sum() * documents.loss_scale
+        return (losses_sb * mask_sb.to(losses_sb.dtype)).sum() * documents.loss_scale
 
     @torch.no_grad()
     def decode(self, ids_bs: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -11,7 +11,9 @@ backward. Here the forward loops over chunks of ``chunk_size`` tokens:
     dW     += g_c^T h_c                             [V/tp, h]
 
 and keeps only dh (the gradient of the summed loss w.r.t. the head input) and dW; the
-backward scales them by grad_output / tokens (the loss is the mean). Peak memory
+backward scales them by grad_output / tokens (the loss is the mean). With token weights
+(``--eod-mask-loss``: 0 where no loss is counted) each token's loss and gradient row are
+weighed before they are summed, and the loss is that weighted sum (the caller scales it). Peak memory
 holds one chunk of logits instead of all of them (Liger-Kernel's fused linear cross
 entropy, made vocab-parallel).
 
@@ -46,14 +48,16 @@ def _chunk_loss_and_grad(logits: torch.Tensor, target: torch.Tensor, group, star
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: mean loss of (h W^T, target), chunk by chunk, with its gradients / backward: scale them."""
+    """Forward: mean loss of (h W^T, target), or its token-weighted sum, chunk by chunk, with its gradients /
+    backward: scale them."""
 
     @staticmethod
-    def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel):
+    def forward(ctx, x, weight, target, group, vocab_size, chunk_size, sequence_parallel, token_weights):
         total = all_gather_first_dim(x, group).wait() if sequence_parallel else x
         h_th = total.reshape(-1, total.shape[-1])  # [tokens, h], tokens in [s, b] order
         target_t = target.reshape(-1)
         assert h_th.shape[0] == target_t.shape[0], f"{h_th.shape[0]} tokens of input, {target_t.shape[0]} labels"
+        weights_t = None if token_weights is None else token_weights.reshape(-1).to(torch.float32)
         rows = weight.shape[0]
         start = group_rank(group) * rows
         padding = padded_columns(rows, start, vocab_size)
@@ -66,6 +70,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             logits_cv = torch.mm(h_ch, weight.t())
             loss_c, grad_cv = _chunk_loss_and_grad(logits_cv, target_t[lo: lo + chunk_size], group, start, padding)
             del logits_cv  # (or its softmax, when fp32: grad_cv is that buffer)
+            if weights_t is not None:
+                w_c = weights_t[lo: lo + chunk_size]
+                loss_c = loss_c * w_c
+                grad_cv.mul_(w_c.unsqueeze(-1))
             loss_sum += loss_c.sum()
             grad_cv = grad_cv.to(weight.dtype)
             torch.mm(grad_cv, weight, out=grad_h[lo: lo + chunk_size])
@@ -79,9 +87,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = reduce_scatter_first_dim(grad_x, group).wait()
         elif group_size(group) > 1:
             grad_x = all_reduce_in_place(grad_x, group).wait()
-        ctx.tokens, ctx.w_dtype = h_th.shape[0], weight.dtype
+        ctx.tokens, ctx.w_dtype = (h_th.shape[0] if weights_t is None else 1), weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
-        return loss_sum / h_th.shape[0]
+        return loss_sum / ctx.tokens
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -91,20 +99,23 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # in place: saved only for this backward (as cross_entropy.py reuses its softmax)
         grad_x = grad_x.mul_(scale) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.mul_(scale).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_w, None, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, group, *,
-                               vocab_size: int | None, chunk_size: int,
-                               sequence_parallel: bool = False) -> torch.Tensor:
-    """Mean token loss of logits ``x W^T`` against ``target``, never holding all the logits.
+                               vocab_size: int | None, chunk_size: int, sequence_parallel: bool = False,
+                               token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean token loss of logits ``x W^T`` against ``target``, never holding all the logits; with
+    ``token_weights`` ([s, b], as ``target``) the weighted sum of the token losses instead.
 
     x: [s, b, h] ([s/tp, b, h] under sequence parallelism, gathered here); weight: this rank's
     vocabulary slice [V/tp, h]; target: [s, b] token ids; ``vocab_size``: the real vocabulary
     (rows past it are padding); ``chunk_size``: tokens per chunk (> 0). Equals
-    ``vocab_parallel_cross_entropy(column_parallel_linear(x, weight, ...), target, ...).mean()``.
+    ``vocab_parallel_cross_entropy(column_parallel_linear(x, weight, ...), target, ...).mean()``
+    (or ``(... * token_weights).sum()``).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0 tokens, got {chunk_size}")
     sequence_parallel = sequence_parallel and group_size(group) > 1
-    return _FusedLinearCrossEntropy.apply(x, weight, target, group, vocab_size, chunk_size, sequence_parallel)
+    return _FusedLinearCrossEntropy.apply(x, weight, target, group, vocab_size, chunk_size, sequence_parallel,
+                                          token_weights)

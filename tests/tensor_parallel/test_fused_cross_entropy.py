@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megazero.config import Config
+from megazero.model.documents import PackingRule
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.partition import build_chunks
 from megazero.run_plan import RunPlan
@@ -57,9 +58,21 @@ def _plain(vocab: int, target: torch.Tensor):
                                                      None, vocab).mean()
 
 
-def _fused(vocab: int, chunk: int, target: torch.Tensor, group=None, sp: bool = False):
+def _fused(vocab: int, chunk: int, target: torch.Tensor, group=None, sp: bool = False,
+           weights: torch.Tensor | None = None):
     return lambda x, w: fused_linear_cross_entropy(x, w, target, group, vocab_size=vocab, chunk_size=chunk,
-                                                   sequence_parallel=sp)
+                                                   sequence_parallel=sp, token_weights=weights)
+
+
+def _plain_weighted(vocab: int, target: torch.Tensor, weights: torch.Tensor):
+    """The masked loss's unfused path: the sum of the token losses, each times its weight."""
+    return lambda x, w: (vocab_parallel_cross_entropy(column_parallel_linear(x, w, None, None, False), target,
+                                                      None, vocab) * weights).sum()
+
+
+def _mask(seed: int = 3) -> torch.Tensor:
+    """A 0/1 token mask [s, b] as --eod-mask-loss makes (about a quarter of the tokens dropped)."""
+    return (torch.rand(S, B, generator=torch.Generator().manual_seed(seed)) > 0.25).float()
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 48, 100])
@@ -73,6 +86,20 @@ def test_single_process_matches_plain_path_and_torch(chunk):
         for what, a, e in zip(("loss", "dx", "dW"), fused, ref):
             assert rel_err(a, e) <= TOL, f"chunk {chunk} vs {name}: {what} off by {rel_err(a, e):.2e}"
     assert fused[2][vocab:].abs().max() == 0, "padded rows must get no gradient"
+
+
+@pytest.mark.parametrize("chunk", [7, 48])
+def test_token_weights_match_the_weighted_sum_of_plain_and_torch_losses(chunk):
+    """--eod-mask-loss through the fused head: the weighted sum of token losses and its gradients."""
+    vocab, mask = 100, _mask()
+    x, weight, target = _inputs(vocab)
+    torch_ref = lambda x, w: (F.cross_entropy((x @ w[:vocab].t()).reshape(-1, vocab), target.reshape(-1),  # noqa: E731
+                                              reduction="none") * mask.reshape(-1)).sum()
+    fused = _grads(_fused(vocab, chunk, target, weights=mask), x, weight)
+    for name, ref in (("plain", _grads(_plain_weighted(vocab, target, mask), x, weight)),
+                      ("torch", _grads(torch_ref, x, weight))):
+        for what, a, e in zip(("loss", "dx", "dW"), fused, ref):
+            assert rel_err(a, e) <= TOL, f"chunk {chunk} vs {name}: {what} off by {rel_err(a, e):.2e}"
 
 
 def test_flag_builds_a_model_with_the_same_loss_and_grads():
@@ -97,6 +124,27 @@ def test_flag_builds_a_model_with_the_same_loss_and_grads():
         assert rel_err(grads_b[name], grads_a[name]) <= TOL, f"d{name}: {rel_err(grads_b[name], grads_a[name]):.2e}"
 
 
+def test_eod_mask_loss_with_the_flag_keeps_the_masked_loss_and_grads():
+    """--eod-mask-loss with --cross-entropy-chunk-size (once refused): the model's masked loss through the fused
+    head equals the unfused one, loss and every gradient (gpt2: the head is the tied embedding)."""
+    settings = dict(vocab_size=300, arch="gpt2", num_layers=1, hidden_size=32, num_attention_heads=4,
+                    seq_length=16, seed=5, eod_mask_loss=True)
+    tokens = torch.randint(0, 300, (3, 17), generator=torch.Generator().manual_seed(1))
+    tokens[:, [3, 9, 10]] = 7  # end-of-document tokens: no loss where they are the input
+    documents = PackingRule(eod_id=7, eod_mask_loss=True).documents(tokens[:, :-1])
+    results = []
+    for chunk in (0, 10):
+        cfg = Config.from_flat({**settings, "cross_entropy_chunk_size": chunk})
+        model = build_chunks(cfg, RunPlan.resolve(cfg, 1), ParallelState.serial())[0]
+        loss = model(tokens[:, :-1], tokens[:, 1:], documents=documents)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert rel_err(loss_b, loss_a) <= TOL
+    for name in grads_a:
+        assert rel_err(grads_b[name], grads_a[name]) <= TOL, f"d{name}: {rel_err(grads_b[name], grads_a[name]):.2e}"
+
+
 def _check_tp(pstate) -> dict[str, float]:
     """Fused at tp 2 (with and without sequence parallelism) against the serial plain path."""
     group, rank = pstate.tp_group, pstate.tp_rank
@@ -114,6 +162,12 @@ def _check_tp(pstate) -> dict[str, float]:
                 errs[f"{key}.dx"] = rel_err(dx, _split(ref_dx, 0, group) if sp else ref_dx)
                 errs[f"{key}.dW"] = rel_err(dw, ref_dw[rank * 64:(rank + 1) * 64]) if rank * 64 < vocab else \
                     float(dw.abs().max())
+            mask = _mask(seed=vocab)  # token weights (--eod-mask-loss) at tp 2, with and without SP
+            want_loss, want_dx, _ = _grads(_plain_weighted(vocab, target, mask), x, weight)
+            x_in = _split(x, 0, group) if sp else x
+            loss, dx, _ = _grads(_fused(vocab, 7, target, group, sp, mask), x_in, _split(weight, 0, group))
+            errs[f"weighted.vocab={vocab}.sp={sp}.loss"] = rel_err(loss, want_loss)
+            errs[f"weighted.vocab={vocab}.sp={sp}.dx"] = rel_err(dx, _split(want_dx, 0, group) if sp else want_dx)
     return errs
 
 

@@ -125,29 +125,24 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         x = self.final_norm(x)
-        if labels is not None and documents is not None and documents.loss_mask is not None:
-            return self._masked_loss(x, labels, documents)
-        if labels is not None and self.ce_chunk_size > 0:
-            return fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
-                                              vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
-                                              sequence_parallel=self.ctx.sequence_parallel)
-        logits = self.logits_local(x)
         if labels is None:
-            return logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.group, self.cfg.vocab_size).mean()
+            return self.logits_local(x)
+        return self._loss(x, labels, documents)
 
-    def _masked_loss(self, x: torch.Tensor, labels: torch.Tensor, documents: Documents) -> torch.Tensor:
-        """``loss_scale`` x the sum of the token losses the mask keeps (fused with the head, chunk by chunk, under
-        --cross-entropy-chunk-size)."""
-        assert documents.loss_mask is not None
-        mask_sb = documents.loss_mask.t()
+    def _loss(self, x: torch.Tensor, labels: torch.Tensor, documents: Documents | None) -> torch.Tensor:
+        """The mean token loss, or with a loss mask ``loss_scale`` x the sum of the token losses it keeps; fused
+        with the head, chunk by chunk, under --cross-entropy-chunk-size."""
+        mask_sb = None if documents is None or documents.loss_mask is None else documents.loss_mask.t()
+        scale = 1.0 if documents is None else documents.loss_scale
         if self.ce_chunk_size > 0:
-            return fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
+            loss = fused_linear_cross_entropy(x, self.output_weight, labels.t(), self.ctx.group,
                                               vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
-                                              sequence_parallel=self.ctx.sequence_parallel,
-                                              token_weights=mask_sb) * documents.loss_scale
+                                              sequence_parallel=self.ctx.sequence_parallel, token_weights=mask_sb)
+            return loss if mask_sb is None else loss * scale
         losses_sb = vocab_parallel_cross_entropy(self.logits_local(x), labels.t(), self.ctx.group, self.cfg.vocab_size)
-        return (losses_sb * mask_sb.to(losses_sb.dtype)).sum() * documents.loss_scale
+        if mask_sb is None:
+            return losses_sb.mean()
+        return (losses_sb * mask_sb.to(losses_sb.dtype)).sum() * scale
 
     @torch.no_grad()
     def decode(self, ids_bs: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -87,15 +87,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_x = reduce_scatter_first_dim(grad_x, group).wait()
         elif group_size(group) > 1:
             grad_x = all_reduce_in_place(grad_x, group).wait()
-        ctx.tokens, ctx.w_dtype = (h_th.shape[0] if weights_t is None else 1), weight.dtype
+        ctx.divisor = h_th.shape[0] if weights_t is None else 1  # the mean, or the weighted sum as it is
+        ctx.w_dtype = weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
-        return loss_sum / ctx.tokens
+        return loss_sum / ctx.divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_x, grad_w = ctx.saved_tensors
         # a Python float: a bf16/fp16 grad_x is scaled in the kernel's fp32 math, not by a rounded scale
-        scale = float(grad_loss) / ctx.tokens
+        scale = float(grad_loss) / ctx.divisor
         # in place: saved only for this backward (as cross_entropy.py reuses its softmax)
         grad_x = grad_x.mul_(scale) if ctx.needs_input_grad[0] else None
         grad_w = grad_w.mul_(scale).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None

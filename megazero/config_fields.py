@@ -83,6 +83,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def switch_flag(name: str, on: bool) -> str:
+    """A switch as it is typed: '--async-save', '--no-reshard-after-forward'."""
+    return flag(name if on else "no_" + name)
+
+
 def either(values: tuple) -> str:
     """'a, b or c' (a lone value as itself)."""
     words = [str(v) for v in values]
@@ -195,7 +200,7 @@ def check_applicable(sections: list[Any], given: frozenset[str], pending: frozen
             if not needs.test(*(values[name] for name in needs.on)):
                 shown = f"{flag(f.name)} {value}"
                 if isinstance(value, bool):  # a switch as it was typed: --async-save, --no-reshard-after-forward
-                    shown = flag(f.name if value else "no_" + f.name)
+                    shown = switch_flag(f.name, value)
                 here = ", ".join(_setting(shortest[name], values[name]) for name in needs.on)
                 raise ConfigError(f"{shown} only applies with {needs.phrase} (here {here}); drop it or pass "
                                   f"{needs.phrase}.")

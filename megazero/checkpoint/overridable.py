@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import Config, flag
+from ..config_fields import switch_flag
 
 OVERRIDABLE_KEYS = ("moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                     "moe_router_bias_update_rate", "moe_router_force_balance", "moe_expert_capacity_factor",
@@ -34,16 +35,12 @@ def overrides_line(meta: dict[str, Any], cfg: Config) -> str | None:
 DOCUMENT_KEYS = ("reset_position_ids", "reset_attention_mask", "eod_mask_loss")
 
 
-def _switch(key: str, on: bool) -> str:
-    return flag(key if on else "no_" + key)
-
-
 def document_change_line(meta: dict[str, Any], cfg: Config) -> str | None:
     """The line naming each document-masking switch this run sets unlike the run that saved the checkpoint;
     None when they agree. They are data settings, never taken from a checkpoint (unlike the model's), so a
     resume that omits them would otherwise train another objective without a word."""
     saved, run = meta["config"], cfg.to_flat()
-    changed = [f"{_switch(key, run[key])} (the checkpoint's run: {_switch(key, saved[key])})"
+    changed = [f"{switch_flag(key, run[key])} (the checkpoint's run: {switch_flag(key, saved[key])})"
                for key in DOCUMENT_KEYS if key in saved and saved[key] != run[key]]
     if not changed:
         return None

@@ -8,7 +8,9 @@ line, document text under --json-keys. Parquet: files, a folder of them or a
 glob, text in the --json-keys column. A folder written by datasets'
 save_to_disk: text in the --json-keys column. The tokenizer is a
 sentencepiece .model or an HF tokenizer.json (or a folder holding one); its
-EOS token is appended to every document.
+EOS token is appended to every document, and its fingerprint (kind,
+vocabulary size, special ids, vocabulary hash) is written beside the token
+files, so training refuses another tokenizer (docs/data.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", nargs="+", required=True,
                         help="text, JSONL or parquet files, parquet folders, globs, or save_to_disk folders")
-    parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin, PREFIX.idx and PREFIX.tokenizer-fingerprint.json")
     parser.add_argument("--tokenizer-model", required=True,
                         help="sentencepiece .model, HF tokenizer.json or a folder holding one")
     parser.add_argument("--tokenizer-type", choices=("sentencepiece", "hf"), default=None,

@@ -20,11 +20,12 @@ from .gpt_dataset import GPTDataset, epochs_needed, split_documents
 from .indexed import IndexedDataset
 from .sampler import MicroBatchIterator, to_device
 from .tokenizer import Tokenizer, TokenizerLike, load_tokenizer
+from .tokenizer_check import check_data_tokenizer, check_default_corpus
 
 __all__ = [
     "BlendedDataset", "CorpusPaths", "DataBundle", "GPTDataset", "IndexedDataset", "MicroBatchIterator",
-    "SplitShare", "Tokenizer", "TokenizerLike", "build_data", "check_vocabulary", "default_corpus",
-    "load_tokenizer", "parse_data_path", "to_device",
+    "SplitShare", "Tokenizer", "TokenizerLike", "build_data", "check_data_tokenizer", "check_vocabulary",
+    "default_corpus", "load_tokenizer", "parse_data_path", "to_device",
 ]
 
 
@@ -171,6 +172,8 @@ def build_data(*, data_path: list[str] | None, tokenizer_model: str | None, spli
         corpus = corpus or default_corpus(log=log)
         data_path, default_model = [corpus.data_prefix], corpus.tokenizer_model
     tokenizer = _tokenizer(tokenizer_model, tokenizer_type, default_model)
+    if default_model is not None and tokenizer_model is not None:  # run() checked --data-path before the groups;
+        check_default_corpus(data_path[0], tokenizer, tokenizer_model, log=lambda _: None)  # the corpus: built now
     sources = _open_sources(list(data_path))
     check_vocabulary(sources, vocab_size, tokenizer_model or default_model, tokenizer.vocab_size)
     shares: list[SplitShare] = []

@@ -25,8 +25,9 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .preprocess import tokenize_documents, write_documents
-from .tokenizer import Tokenizer, train_sentencepiece
+from .fingerprint import fingerprint_path, write_fingerprint
+from .preprocess import tokenize_documents, write_token_files
+from .tokenizer import load_tokenizer, train_sentencepiece
 
 DEFAULT_VOCAB_SIZE = 8000  # the default corpus's tokenizer: what a run without --tokenizer-model trains with
 
@@ -111,8 +112,9 @@ def _cache_root(cache_dir: str | None) -> str:
     return env or os.path.join(os.path.expanduser("~"), ".cache", "megazero")
 
 
-def _build(folder: str, vocab_size: int, log: Callable[[str], None]) -> None:
-    """Extract, train the tokenizer, tokenise and write into ``folder``."""
+def _build(folder: str, final: str, vocab_size: int, log: Callable[[str], None]) -> None:
+    """Extract, train the tokenizer, tokenise and write into ``folder`` (published as ``final``, the tokenizer
+    path its fingerprint records)."""
     start = time.perf_counter()
     log("building default corpus from stdlib docstrings ...")
     docs = corpus_documents()
@@ -121,12 +123,42 @@ def _build(folder: str, vocab_size: int, log: Callable[[str], None]) -> None:
     log(f"  {len(docs)} documents, {sum(map(len, docs)) / 1e6:.1f} M characters")
     log(f"training tokenizer (sentencepiece BPE, vocab {vocab_size}) ...")
     model = train_sentencepiece(docs, os.path.join(folder, "tokenizer"), vocab_size, "bpe")
-    tokenizer = Tokenizer.load(model)
+    tokenizer = load_tokenizer(model)
     log("tokenizing ...")
-    stats = write_documents(tokenize_documents(docs, tokenizer), os.path.join(folder, "data"),
-                            tokenizer.vocab_size, log)
+    stats = write_token_files(tokenize_documents(docs, tokenizer), os.path.join(folder, "data"), tokenizer,
+                              os.path.join(final, "tokenizer.model"), log)
     log(f"default corpus ready: {stats.documents} documents, {stats.tokens} tokens "
         f"in {time.perf_counter() - start:.1f} s")
+
+
+def corpus_paths(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | None = None) -> CorpusPaths:
+    """Where the default corpus is (or will be) cached; nothing is built. ``cache_dir`` defaults to
+    ``$MEGAZERO_CACHE`` or ``~/.cache/megazero``."""
+    py = f"py{sys.version_info.major}.{sys.version_info.minor}"
+    name = f"corpus-{py}-v{CORPUS_VERSION}-vocab{vocab_size}-{source_fingerprint()}"
+    final = os.path.join(_cache_root(cache_dir), name)
+    return CorpusPaths(os.path.join(final, "data"), os.path.join(final, "tokenizer.model"))
+
+
+def _published(paths: CorpusPaths) -> bool:
+    """Whether the corpus at ``paths`` is built. A cache built before fingerprints existed gets one now from its
+    own tokenizer (which made its data), so it is checked like any token file; a read-only one stays as it is
+    (training then says it cannot check it)."""
+    if not os.path.isdir(os.path.dirname(paths.data_prefix)):
+        return False
+    if not os.path.isfile(fingerprint_path(paths.data_prefix)):
+        try:
+            tokenizer = load_tokenizer(paths.tokenizer_model)
+            write_fingerprint(paths.data_prefix, tokenizer.fingerprint(), paths.tokenizer_model)
+        except (OSError, ValueError):
+            pass
+    return True
+
+
+def existing_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | None = None) -> CorpusPaths | None:
+    """The default corpus if it is cached, else None; nothing is built."""
+    paths = corpus_paths(vocab_size, cache_dir)
+    return paths if _published(paths) else None
 
 
 def default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | None = None,
@@ -135,16 +167,14 @@ def default_corpus(vocab_size: int = DEFAULT_VOCAB_SIZE, cache_dir: str | None =
 
     ``cache_dir`` defaults to ``$MEGAZERO_CACHE`` or ``~/.cache/megazero``.
     """
-    py = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    root = _cache_root(cache_dir)
-    final = os.path.join(root, f"corpus-{py}-v{CORPUS_VERSION}-vocab{vocab_size}-{source_fingerprint()}")
-    paths = CorpusPaths(os.path.join(final, "data"), os.path.join(final, "tokenizer.model"))
-    if os.path.isdir(final):
+    paths = corpus_paths(vocab_size, cache_dir)
+    if _published(paths):
         return paths
+    final, root = os.path.dirname(paths.data_prefix), _cache_root(cache_dir)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".corpus-build-", dir=root)
     try:
-        _build(tmp, vocab_size, log)
+        _build(tmp, final, vocab_size, log)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
         try:
             os.rename(tmp, final)

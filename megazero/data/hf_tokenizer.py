@@ -13,6 +13,8 @@ import json
 import os
 from typing import Iterable
 
+from .fingerprint import TokenizerFingerprint, vocab_sha256
+
 # End-of-text tokens of common tokenizers (GPT-2/Qwen, Llama 3, Llama 2/Mistral, Gemma), in that order.
 EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 
@@ -51,6 +53,7 @@ class HFTokenizer:
         self.bos_id = self._lookup(config, "bos_token")
         pad = self._lookup(config, "pad_token")
         self.pad_id = self.eos_id if pad is None else pad  # Llama 3 and Qwen pad with EOS
+        self.unk_id = self._unk(config)
 
     def __reduce__(self) -> tuple:
         # Reload by path in worker processes instead of pickling the Rust object.
@@ -83,6 +86,22 @@ class HFTokenizer:
                 return self._vocab[text]
         raise ValueError(f"HF tokenizer {self.path!r} names no EOS token (no tokenizer_config.json eos_token, none "
                          f"of {', '.join(EOS_CANDIDATES)}); add a tokenizer_config.json with \"eos_token\" beside it")
+
+    def _unk(self, config: dict) -> int | None:
+        """tokenizer_config.json's unk_token, else the model's own (byte-level BPE has none)."""
+        named = self._lookup(config, "unk_token")
+        if named is not None:
+            return named
+        model_unk = getattr(self._tok.model, "unk_token", None)
+        return self._vocab.get(model_unk) if isinstance(model_unk, str) else None
+
+    def fingerprint(self) -> TokenizerFingerprint:
+        """What token files record of the tokenizer that made them (fingerprint.py); ids without a token: None."""
+        pieces: list[str | None] = [None] * self.vocab_size
+        for text, token_id in self._vocab.items():
+            pieces[token_id] = text
+        return TokenizerFingerprint(kind="hf", vocab_size=self.vocab_size, bos_id=self.bos_id, eos_id=self.eos_id,
+                                    pad_id=self.pad_id, unk_id=self.unk_id, vocab_sha256=vocab_sha256(pieces))
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)

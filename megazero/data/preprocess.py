@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
+from .fingerprint import fingerprint_path, remove_fingerprint, write_fingerprint
 from .indexed import IndexedDatasetWriter
 from .preprocess_inputs import load_inputs
 from .tokenizer import TokenizerLike, load_tokenizer, resolve_tokenizer
@@ -67,6 +68,17 @@ def write_documents(token_docs: Iterable[Sequence[int]], output_prefix: str, voc
     return PreprocessStats(docs, tokens, time.perf_counter() - start)
 
 
+def write_token_files(token_docs: Iterable[Sequence[int]], output_prefix: str, tokenizer: TokenizerLike,
+                      tokenizer_model: str, log: Callable[[str], None] = print) -> PreprocessStats:
+    """``PREFIX.bin/.idx`` and, beside them, the fingerprint of the tokenizer that made them (``tokenizer_model``
+    is the path it was loaded from). The old fingerprint goes first, so a crash never leaves one that names
+    another tokenizer than the files' (see fingerprint.py)."""
+    remove_fingerprint(output_prefix)
+    stats = write_documents(token_docs, output_prefix, tokenizer.vocab_size, log)
+    write_fingerprint(output_prefix, tokenizer.fingerprint(), tokenizer_model)
+    return stats
+
+
 def tokenize_documents(texts: Iterable[str], tokenizer: TokenizerLike, batch_size: int = 1000) -> Iterable[list[int]]:
     """In-process tokenisation (no ``datasets``): each document + EOS."""
     batch: list[str] = []
@@ -102,10 +114,10 @@ def preprocess_files(inputs: Sequence[str], output_prefix: str, tokenizer_model:
                         remove_columns=ds.column_names, desc="tokenizing",
                         cache_file_name=os.path.join(cache_dir, "tokens.arrow"))
         docs = (row for batch in tokens.iter(batch_size=1000) for row in batch["input_ids"])
-        stats = write_documents(docs, output_prefix, tokenizer.vocab_size, log)
+        stats = write_token_files(docs, output_prefix, tokenizer, tokenizer_model, log)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
     stats = PreprocessStats(stats.documents, stats.tokens, time.perf_counter() - start)
-    log(f"wrote {output_prefix}.bin/.idx: {stats.documents} documents, {stats.tokens} tokens, "
-        f"{stats.seconds:.1f} s, {stats.tokens_per_sec:,.0f} tokens/s")
+    log(f"wrote {output_prefix}.bin/.idx and {fingerprint_path(output_prefix)}: {stats.documents} documents, "
+        f"{stats.tokens} tokens, {stats.seconds:.1f} s, {stats.tokens_per_sec:,.0f} tokens/s")
     return stats

@@ -15,6 +15,7 @@ from typing import Iterable, Iterator, Protocol
 
 import sentencepiece as spm
 
+from .fingerprint import TokenizerFingerprint, special_id, vocab_sha256
 from .hf_tokenizer import HFTokenizer, describe_file
 
 _TRAINED_SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
@@ -32,6 +33,8 @@ class TokenizerLike(Protocol):
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def fingerprint(self) -> TokenizerFingerprint: ...
 
 
 class Tokenizer:
@@ -74,6 +77,17 @@ class Tokenizer:
     @property
     def pad_id(self) -> int:
         return int(self._sp.pad_id())
+
+    @property
+    def unk_id(self) -> int:
+        return int(self._sp.unk_id())
+
+    def fingerprint(self) -> TokenizerFingerprint:
+        """What token files record of the tokenizer that made them (fingerprint.py); -1 ids are None."""
+        pieces = [str(self._sp.id_to_piece(i)) for i in range(self.vocab_size)]
+        return TokenizerFingerprint(kind="sentencepiece", vocab_size=self.vocab_size, bos_id=special_id(self.bos_id),
+                                    eos_id=special_id(self.eos_id), pad_id=special_id(self.pad_id),
+                                    unk_id=special_id(self.unk_id), vocab_sha256=vocab_sha256(pieces))
 
     def encode(self, text: str) -> list[int]:
         return list(self._sp.encode(text))

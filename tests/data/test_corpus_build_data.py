@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megazero.data import DataBundle, build_data, default_corpus
+from megazero.data.fingerprint import read_fingerprint
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.tokenizer import Tokenizer
 
@@ -43,6 +44,7 @@ def test_corpus_builds_and_is_usable(corpus_root: str) -> None:
     assert len(ds) > 1000 and ds.num_tokens > 200_000
     text = tok.decode(ds[0][:-1])
     assert ds[0][-1] == tok.eos_id and len(text) >= 20
+    assert read_fingerprint(paths.data_prefix) == (tok.fingerprint(), paths.tokenizer_model)  # checked as any data
     assert [n for n in os.listdir(corpus_root) if n.startswith(".")] == []  # no temp dir left
 
 

@@ -152,7 +152,7 @@ def test_pretrain_on_hf_tokenized_read_only_data(hf: SimpleNamespace, tmp_path) 
         assert ran.returncode == 0, ran.stderr[-3000:]
     finally:
         os.chmod(data, 0o755)
-    assert sorted(os.listdir(data)) == ["corpus.bin", "corpus.idx"]
+    assert sorted(os.listdir(data)) == ["corpus.bin", "corpus.idx", "corpus.tokenizer-fingerprint.json"]
     assert any(name.startswith("corpus_") and name.endswith("_shuffle_idx.npy") for name in os.listdir(cache))
     losses = [r["loss"] for r in map(json.loads, open(metrics)) if "loss" in r]
     assert len(losses) == 3 and abs(losses[0] - math.log(VOCAB)) < 1.0  # near uniform over the tokenizer's vocab

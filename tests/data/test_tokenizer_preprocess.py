@@ -65,7 +65,8 @@ def test_preprocess_roundtrip(tmp_path, tok_model: str, fmt: str, workers: int) 
         ids = ds[i]
         assert ids[-1] == tok.eos_id
         assert tok.decode(ids[:-1]) == doc
-    leftovers = [n for n in os.listdir(tmp_path / "out") if n not in ("data.bin", "data.idx")]
+    leftovers = [n for n in os.listdir(tmp_path / "out")
+                 if n not in ("data.bin", "data.idx", "data.tokenizer-fingerprint.json")]
     assert leftovers == []  # no HF cache or temp file left behind
 
 

@@ -73,15 +73,54 @@ class MoEFields:
         require(k <= experts, f"--moe-router-topk ({k}) must not exceed --num-experts ({experts}); pick k <= E.")
         require(not (self.moe_router_pre_softmax and self.moe_router_score_function == "sigmoid"),
                 "--moe-router-pre-softmax only applies with --moe-router-score-function softmax; drop one of them.")
-        require(k > 1 or self.moe_router_pre_softmax or self.moe_router_score_function == "sigmoid",
-                "--moe-router-topk 1 with a softmax over the k chosen gives every weight 1 and the router no "
-                "gradient; add --moe-router-pre-softmax (or use --moe-router-score-function sigmoid).")
         require(self.moe_aux_loss_coeff == 0 or self.moe_router_load_balancing_type != "none",
                 f"--moe-aux-loss-coeff {self.moe_aux_loss_coeff} needs a balancing loss; pass "
                 f"--moe-router-load-balancing-type aux_loss or seq_aux_loss, or --moe-aux-loss-coeff 0 (a preset or "
                 f"a checkpoint may have set it).")
         self._check_groups(experts, k)
+        self._check_force_balance()
         self.moe_layer_pattern(num_layers)  # raises ConfigError for a malformed or wrong-length pattern
+
+    def _check_force_balance(self) -> None:
+        """The round-robin router reads neither the expert bias nor the groups: either one with it does nothing."""
+        if not self.moe_router_force_balance:
+            return
+        require(not self.moe_router_enable_expert_bias,
+                "--moe-router-enable-expert-bias does nothing with --moe-router-force-balance (the round-robin "
+                "router never reads the bias); drop one of them.")
+        require(self.moe_router_num_groups is None,
+                "--moe-router-num-groups/--moe-router-group-topk (group-limited routing) do nothing with "
+                "--moe-router-force-balance (the round-robin router never reads the groups); drop one of them.")
+
+    def refuse_idle_balancing(self, given: frozenset[str], pending: frozenset[str] = frozenset()) -> None:
+        """A balancing loss named (``given``: typed or in a preset) without its weight applies no loss: refused.
+
+        The type's default is aux_loss, so only a type the user gave is checked; a weight given too, even 0, is
+        the user's word (a run's own config.yaml holds both), and one a --load checkpoint may still supply
+        (``pending``) waits.
+        """
+        kind = self.moe_router_load_balancing_type
+        if self.num_experts is None or "moe_router_load_balancing_type" not in given or kind == "none" \
+                or self.moe_aux_loss_coeff > 0 or "moe_aux_loss_coeff" in given | pending:
+            return
+        raise ConfigError(f"--moe-router-load-balancing-type {kind} applies no loss with --moe-aux-loss-coeff "
+                          f"{self.moe_aux_loss_coeff:g} (its weight); pass --moe-aux-loss-coeff C > 0 (e.g. 1e-2), "
+                          f"or --moe-router-load-balancing-type none.")
+
+    def check_trainable(self) -> None:
+        """Refuse to train a router the loss cannot move; such a model still converts, evaluates and generates.
+
+        Top-1 with the softmax over the k chosen (Mixtral; Qwen3-MoE with norm_topk_prob) gives every token's
+        one weight the constant 1: the expert choice is a detached top-k, so the router gets no gradient.
+        """
+        if self.num_experts is None or self.moe_router_topk > 1 or self.moe_router_pre_softmax \
+                or self.moe_router_score_function == "sigmoid":
+            return
+        raise ConfigError("--moe-router-topk 1 with a softmax over the k chosen (Mixtral's, or Qwen3-MoE's "
+                          "norm_topk_prob) gives every token's one weight the constant 1, so the router gets no "
+                          "gradient and cannot train; such a model converts, evaluates (--skip-train) and "
+                          "generates (tools/generate.py), but to train pass --moe-router-pre-softmax, "
+                          "--moe-router-score-function sigmoid or --moe-router-topk >= 2.")
 
     def _check_groups(self, experts: int, k: int) -> None:
         """Group-limited routing: both flags or neither, groups dividing E, enough experts in the kept groups."""

@@ -16,6 +16,7 @@ from megazero.checkpoint.load import merge_config
 from megazero.config import Config, ConfigError, ModelConfig
 from megazero.moe_config import MoEFields
 from megazero.run_plan import RunPlan
+from megazero.training.run import validate
 
 MOE = ["--num-experts", "8"]
 
@@ -60,8 +61,17 @@ def test_a_moe_flag_without_num_experts_is_refused(name):
 @pytest.mark.parametrize("argv, expected", [
     (["--moe-router-topk", "9"], "--moe-router-topk (9) must not exceed --num-experts (8); pick k <= E."),
     (["--moe-router-topk", "0"], "--moe-router-topk must be >= 1, got 0"),
-    (["--moe-router-topk", "1"], "--moe-router-topk 1 with a softmax over the k chosen gives every weight 1 and the "
-                                 "router no gradient; add --moe-router-pre-softmax"),
+    (["--moe-router-load-balancing-type", "aux_loss"],
+     "--moe-router-load-balancing-type aux_loss applies no loss with --moe-aux-loss-coeff 0 (its weight); pass "
+     "--moe-aux-loss-coeff C > 0 (e.g. 1e-2), or --moe-router-load-balancing-type none."),
+    (["--moe-router-load-balancing-type", "seq_aux_loss"],
+     "--moe-router-load-balancing-type seq_aux_loss applies no loss with --moe-aux-loss-coeff 0"),
+    (["--moe-router-force-balance", "--moe-router-enable-expert-bias"],
+     "--moe-router-enable-expert-bias does nothing with --moe-router-force-balance (the round-robin router never "
+     "reads the bias); drop one of them."),
+    (["--moe-router-force-balance", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1"],
+     "--moe-router-num-groups/--moe-router-group-topk (group-limited routing) do nothing with "
+     "--moe-router-force-balance (the round-robin router never reads the groups); drop one of them."),
     (["--moe-expert-capacity-factor", "0"], "--moe-expert-capacity-factor must be > 0, got 0.0"),
     (["--moe-expert-capacity-factor", "-1"], "--moe-expert-capacity-factor must be > 0, got -1.0"),
     (["--moe-router-num-groups", "3", "--moe-router-group-topk", "1"],
@@ -96,6 +106,31 @@ def test_a_bad_moe_setting_is_refused_in_one_line(argv, expected, capsys):
         return
     message = _refusal(MOE + argv)
     assert message.startswith(expected), message
+
+
+def test_a_balancing_type_with_its_weight_or_from_a_preset_is_accepted():
+    """Only a type given without a weight is refused: the preset's 1e-2 (or one on the command line) applies it."""
+    for argv in (["--config", "configs/moe-tiny.yaml", "--moe-router-load-balancing-type", "seq_aux_loss"],
+                 MOE + ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0.01"], MOE,
+                 # a run's own config.yaml names both, the weight 0 included: --config of it must load
+                 MOE + ["--moe-router-load-balancing-type", "aux_loss", "--moe-aux-loss-coeff", "0"]):
+        RunPlan.resolve(parse_config(argv)[0], 1)
+
+
+def test_top1_renormalised_routing_parses_and_only_training_is_refused():
+    """Top-1 with the softmax over the k chosen (a valid HF Mixtral/Qwen3-MoE) builds, plans and evaluates; a run
+    that would train it is refused in one line saying why (the weight is constant 1) and what trains instead."""
+    top1 = MOE + ["--moe-router-topk", "1"]
+    RunPlan.resolve(parse_config(top1)[0], 1)
+    validate(parse_config(top1 + ["--load", "ckpt", "--skip-train"])[0], 1)
+    with pytest.raises(ConfigError) as err:
+        validate(parse_config(top1)[0], 1)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith("--moe-router-topk 1 with a softmax over the k chosen"), message
+    assert "the constant 1, so the router gets no gradient and cannot train" in message, message
+    assert "--skip-train" in message and "--moe-router-pre-softmax" in message, message
+    for fix in (["--moe-router-pre-softmax"], ["--moe-router-score-function", "sigmoid"]):
+        validate(parse_config(top1 + fix)[0], 1)
 
 
 @pytest.mark.parametrize("argv, world, expected", [

@@ -7,7 +7,8 @@
 The checkpoint's tensors are stored at full size whatever the run's (tp, pp, dp, zero, cp), so the
 whole model is rebuilt here at tp 1 from the config the checkpoint records, and prompts are encoded
 with the run's tokenizer (the one it records, or the default corpus's). Decoding is greedy unless
---temperature is above 0, and stops at the end-of-document token or after --max-new-tokens.
+--temperature is above 0 (--top-k, --top-p and --seed shape sampling only, so greedy decoding refuses them),
+and stops at the end-of-document token or after --max-new-tokens.
 Prompts run one after another; each prints its text (prompt and continuation) and, with
 --print-ids, one JSON line of its token ids.
 """
@@ -53,9 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="text to continue; repeat for several prompts (run one after another)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens to add to each prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 samples")
-    parser.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = all")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 = all tokens")
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator (reproducible runs)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k most likely tokens (needs --temperature > 0); 0 = all")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling mass (needs --temperature > 0); 1 = all tokens")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="seed of the sampling generator (reproducible runs; needs --temperature > 0)")
     parser.add_argument("--tokenizer-model", default=None,
                         help="tokenizer to use instead of the one the checkpoint records")
     parser.add_argument("--print-ids", action="store_true", help="also print each prompt's token ids as JSON")
@@ -65,6 +69,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not os.path.isdir(args.load):
         fail(f"--load {args.load!r} does not exist or is not a folder; pass the --save folder of a training run")
     return args
+
+
+def refuse_idle_sampling_flags(args: argparse.Namespace) -> None:
+    """--top-k, --top-p and --seed shape sampling only: with greedy decoding (--temperature 0) they would do nothing."""
+    if args.temperature > 0:
+        return
+    given = [(f"--top-k {args.top_k}", args.top_k != 0), (f"--top-p {args.top_p:g}", args.top_p != 1),
+             (f"--seed {args.seed}", args.seed is not None)]
+    for shown, idle in given:
+        if idle:
+            raise ValueError(f"{shown} only applies when sampling; pass --temperature T > 0 to sample, or drop "
+                             f"{shown.split()[0]} for greedy decoding (--temperature 0, the default)")
 
 
 def load_model(folder: str) -> tuple[Config, GPTModel]:
@@ -108,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        refuse_idle_sampling_flags(args)
         cfg, model = load_model(args.load)
         tokenizer = run_tokenizer(cfg, args.tokenizer_model)
         prompts = [prompt_ids(tokenizer, text, i, args.max_new_tokens, cfg.model.position_table_size)

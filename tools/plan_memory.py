@@ -2,7 +2,7 @@
 
     python tools/plan_memory.py --config configs/tiny.yaml --tp 2 --pp 2 --dp 4 --zero 1 --bf16
     python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --gpu-memory 80
-    python tools/plan_memory.py ... --json            # one JSON object (bytes)
+    python tools/plan_memory.py ... --json            # one JSON object (bytes): {"mode": ..., "layouts": [...]}
     python tools/plan_memory.py ... --gpus 64 --gpu-memory 80 [--gpus-per-node 8]   # search
     python tools/plan_memory.py ... --offload-optimizer cpu|disk [--offload-params cpu|disk]   # host / disk bytes
     python tools/plan_memory.py ... --gpus 8 --gpu-memory 40 --search-offload    # also layouts needing offload
@@ -13,9 +13,11 @@ for the world size the launcher would give. The search keeps the model, seq
 length, precision and global batch, and varies tp (inside a node), cp (ring attention, where
 the sequence splits into 2 x cp chunks), pp, dp,
 zero, micro-batch and recompute (and with ``--search-offload`` the offload placement of
-layouts that do not fit otherwise). Offload costs are assumption-based (bandwidths in
-``megazero/memory/offload.py``). ``--offload-optimizer disk`` needs no real
-``--offload-path`` here: the planner writes nothing. Arithmetic: ``megazero.memory``.
+layouts that do not fit otherwise); a ``--tp``, ``--cp``, ``--pp``, ``--dp``, ``--ep`` or ``--etp``
+given (on the command line or in a ``--config`` preset) is held: every layout listed has it.
+Offload costs are assumption-based (bandwidths in ``megazero/memory/offload.py``).
+``--offload-optimizer disk`` needs no real ``--offload-path`` here: the planner writes nothing.
+Arithmetic: ``megazero.memory``.
 
 It plans for a cluster from any machine and never asks this one's device. ``--recompute auto``
 (the presets' default) is planned for the budget ``--memory-budget-gb`` or ``--gpu-memory`` gives,
@@ -42,14 +44,18 @@ from megazero.config_fields import Bounds  # noqa: E402
 from megazero.memory import (PLANNED_PATH, Hardware, MemoryPlan, format_candidates, format_plan,  # noqa: E402
                              format_rows, planned_world, search_layouts, with_vocabulary)
 from megazero.memory.recompute_choice import plan_for_cluster  # noqa: E402
+from megazero.memory.search import HeldAxes  # noqa: E402
 
 PROG = "plan_memory.py"
 SEARCH_GPU_MEMORY_GIB = 80.0  # the search's GPU when --gpu-memory is not given
 
 EXTRA = [
-    ("--dp", {"type": int, "default": 1, "help": "Data-parallel size to plan for (world = tp x cp x pp x dp)."}),
-    ("--json", {"action": "store_true", "help": "Print one JSON object (bytes) instead of the table."}),
-    ("--gpus", {"type": int, "default": None, "help": "Search mode: GPUs available."}),
+    ("--dp", {"type": int, "default": None, "help": "Data-parallel size to plan for (world = tp x cp x pp x dp; "
+                                                    "default 1); in search mode, held like --tp/--pp/--ep."}),
+    ("--json", {"action": "store_true", "help": "Print one JSON object (bytes) instead of the table: {\"mode\": "
+                                                "\"plan\" or \"search\", \"layouts\": [...]}."}),
+    ("--gpus", {"type": int, "default": None, "help": "Search mode: GPUs available; the --tp, --cp, --pp, --dp, --ep "
+                                                      "and --etp given are held (every listed layout has them)."}),
     ("--gpu-memory", {"type": float, "default": None,
                       "help": f"Memory per GPU in GiB: the search's capacity (default {SEARCH_GPU_MEMORY_GIB:g}) and "
                               "--recompute auto's budget (default: every recompute mode listed)."}),
@@ -113,7 +119,7 @@ def _plans(configs: list[Config], ns) -> list[tuple[MemoryPlan, str | None]]:
     for cfg in configs:
         for tier in ns.offload_tiers or [None]:
             planned = cfg.updated(**_tier(tier, cfg)) if tier else cfg
-            plans, note = plan_for_cluster(planned, planned_world(cfg, ns.dp), ns.gpu_memory)
+            plans, note = plan_for_cluster(planned, planned_world(cfg, ns.dp or 1), ns.gpu_memory)
             out += [(plan, note) for plan in plans]
     return out
 
@@ -121,8 +127,8 @@ def _plans(configs: list[Config], ns) -> list[tuple[MemoryPlan, str | None]]:
 def _show_plans(planned: list[tuple[MemoryPlan, str | None]], as_json: bool, rows: bool) -> str:
     """The plans as JSON, one stage table, or one row each, after the --recompute auto lines (once each)."""
     if as_json:
-        dicts = [{**p.to_dict(), **({"recompute_auto": note} if note else {})} for p, note in planned]
-        return json.dumps(dicts if rows or len(dicts) > 1 else dicts[0])
+        layouts = [{**p.to_dict(), **({"recompute_auto": note} if note else {})} for p, note in planned]
+        return json.dumps({"mode": "plan", "layouts": layouts})
     notes = list(dict.fromkeys(note for _, note in planned if note))
     plans = [p for p, _ in planned]
     return "\n".join(notes + [format_rows(plans) if rows or len(plans) > 1 else format_plan(plans[0])])
@@ -148,12 +154,14 @@ def report(argv: list[str]) -> tuple[int, str]:
                   peak_flops=ns.peak_tflops * 1e12, efficiency=ns.efficiency,
                   intra_node_bandwidth=ns.intra_node_gbps * 1e9, inter_node_bandwidth=ns.inter_node_gbps * 1e9,
                   headroom=ns.headroom, host_memory_gib=ns.host_memory, disk_gib=ns.disk_space)
-    cands = search_layouts(with_vocabulary(cfg), hw, offload=ns.search_offload)
+    held = HeldAxes.given(cfg, ns.dp)
+    held.check(hw)
+    cands = search_layouts(with_vocabulary(cfg), hw, offload=ns.search_offload, held=held)
     if ns.json:
-        return (0 if cands else 1), json.dumps([{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0,
-                                                 "offload_only": c.offload_only}
-                                                for i, c in enumerate(cands[: ns.top])])
-    return (0 if cands else 1), format_candidates(cands, hw, ns.top)
+        layouts = [{**c.plan.to_dict(), "step_seconds": c.step_seconds, "best": i == 0, "offload_only": c.offload_only}
+                   for i, c in enumerate(cands[: ns.top])]
+        return (0 if cands else 1), json.dumps({"mode": "search", "held": dict(held.items()), "layouts": layouts})
+    return (0 if cands else 1), format_candidates(cands, hw, ns.top, held)
 
 
 # -- the generated documentation blocks ------------------------------------------------------------

@@ -153,6 +153,59 @@ def _sync_seconds(spec: PlanSpec, params: int, shared: int, span: int, hw: Hardw
     return dp_bytes / bw
 
 
+# the parallel degrees a search holds when given: (axis, the flat setting that gives it)
+HELD_SETTINGS = (("tp", "tensor_model_parallel_size"), ("cp", "context_parallel_size"),
+                 ("pp", "pipeline_model_parallel_size"), ("ep", "expert_model_parallel_size"),
+                 ("etp", "expert_tensor_parallel_size"))
+
+
+@dataclass(frozen=True)
+class HeldAxes:
+    """Parallel degrees the user gave (None = searched): every layout the search lists has them."""
+
+    tp: int | None = None
+    cp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
+    ep: int | None = None
+    etp: int | None = None
+
+    @classmethod
+    def given(cls, cfg: Config, dp: int | None = None) -> "HeldAxes":
+        """The degrees ``cfg`` was given (a flag or a preset, ``Config.explicit``), and ``dp`` when not None."""
+        held = {axis: getattr(cfg.parallel, name) for axis, name in HELD_SETTINGS if name in cfg.explicit}
+        return cls(**held, dp=dp)
+
+    def keeps(self, axis: str, value: int | None) -> bool:
+        held = getattr(self, axis)
+        return held is None or held == value
+
+    def flags(self) -> str:
+        """'--tp 2 --pp 4' (empty when nothing is held)."""
+        return " ".join(f"--{axis} {value}" for axis, value in self.items())
+
+    def items(self) -> list[tuple[str, int]]:
+        return [(axis, getattr(self, axis)) for axis in ("tp", "cp", "pp", "dp", "ep", "etp")
+                if getattr(self, axis) is not None]
+
+    def check(self, hw: Hardware) -> None:
+        """Held degrees the cluster cannot take, refused in one line (ValueError) before the search."""
+        tp, gpus, node = self.tp or 1, hw.gpus, hw.gpus_per_node
+        if tp > min(node, gpus):
+            raise ValueError(f"--tp {tp} is more than the {min(node, gpus)} GPUs of a node (--gpus-per-node {node}, "
+                             f"--gpus {gpus}); the search keeps tp inside a node: lower --tp or drop it to search.")
+        grid = [(axis, value) for axis, value in self.items() if axis in ("tp", "cp", "pp", "dp")]
+        product = 1
+        for _, value in grid:
+            product *= value
+        whole = len(grid) == 4  # tp x cp x pp x dp all held: their product is the world
+        if grid and (product != gpus if whole else gpus % product):
+            shown = " x ".join(f"--{axis} {value}" for axis, value in grid) + (f" = {product}" if len(grid) > 1 else "")
+            raise ValueError(f"{shown} (held as given) does not {'equal' if whole else 'divide'} --gpus {gpus}; "
+                             f"pick degrees whose product {'is' if whole else 'divides'} the GPUs, or drop them to "
+                             f"search.")
+
+
 @dataclass
 class Candidate:
     spec: PlanSpec
@@ -182,22 +235,28 @@ def _cp_ok(cfg: ModelConfig, tp: int, cp: int) -> bool:
 
 def search_layouts(cfg: Config, hw: Hardware, micro_batch_sizes: tuple[int, ...] = (1, 2, 4, 8),
                    recomputes: tuple[str, ...] = RECOMPUTE_MODES,
-                   offload: bool = False) -> list[Candidate]:
+                   offload: bool = False, held: HeldAxes = HeldAxes()) -> list[Candidate]:
     """Every layout of ``hw.gpus`` that fits ``cfg``'s model and global batch, fastest first (tp inside a
     node, context parallelism with the ring (p2p), 1F1B when pp > 1; each a ``RunPlan`` resolved for
-    that layout); with ``offload``, also those that fit only with offload (the fastest such placement each)."""
+    that layout); with ``offload``, also those that fit only with offload (the fastest such placement each).
+    ``held``: the degrees every layout keeps (the ones the user gave)."""
     model, found, device = cfg.model, [], planned_device(cfg)
     global_batch_size = cfg.training.global_batch_size
-    for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus)) if _tp_ok(model, d) and hw.gpus % d == 0):
-        for cp in (c for c in _divisors(hw.gpus // tp) if _cp_ok(model, tp, c)):
-            for pp in (d for d in _divisors(model.num_layers) if hw.gpus % (tp * cp * d) == 0):
+    for tp in (d for d in _divisors(min(hw.gpus_per_node, hw.gpus))
+               if _tp_ok(model, d) and hw.gpus % d == 0 and held.keeps("tp", d)):
+        for cp in (c for c in _divisors(hw.gpus // tp) if _cp_ok(model, tp, c) and held.keeps("cp", c)):
+            for pp in (d for d in _divisors(model.num_layers)
+                       if hw.gpus % (tp * cp * d) == 0 and held.keeps("pp", d)):
                 dp = hw.gpus // (tp * cp * pp)
+                if not held.keeps("dp", dp):
+                    continue
                 for mbs in micro_batch_sizes:
                     if global_batch_size % (mbs * dp) != 0:
                         continue
                     if pp > 1 and global_batch_size // (mbs * dp) < pp:
                         continue  # 1F1B with fewer micro-batches than stages is all bubble
-                    for ep, etp in expert_layouts(cfg, tp, hw.gpus // pp):  # MoE: ep and etp too
+                    for ep, etp in (e for e in expert_layouts(cfg, tp, hw.gpus // pp)  # MoE: ep and etp too
+                                    if held.keeps("ep", e[0]) and held.keeps("etp", e[1])):
                         found += _layouts(cfg, hw, offload, device, tp=tp, cp=cp, pp=pp, mbs=mbs, ep=ep, etp=etp,
                                           zeros=tuple(ZeroStage) if dp * cp > 1 else (ZeroStage.NONE,),
                                           recomputes=recomputes)
@@ -247,17 +306,21 @@ def _placed(spec: PlanSpec, optimizer: Placement, params: Placement) -> PlanSpec
     return spec.updated(offload_optimizer=optimizer.flag_word, offload_params=params.flag_word, offload_path=path)
 
 
-def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20) -> str:
-    """Table of the ``top`` fastest feasible layouts; the best is marked with '*'."""
+def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20, held: HeldAxes = HeldAxes()) -> str:
+    """Table of the ``top`` fastest feasible layouts; the best is marked with '*'. A line first names the
+    degrees ``held`` as given, when there are any."""
+    kept = held.flags()
     if not cands:
-        return (f"no layout fits {hw.gpus} x {hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB "
-                f"per GPU); add GPUs, shorten --seq-length or lower --global-batch-size.")
+        return (f"no layout {f'with {kept} (held as given) ' if kept else ''}fits {hw.gpus} x "
+                f"{hw.gpu_memory_gib:g} GiB (usable {hw.usable_bytes / GIB:.1f} GiB per GPU); add GPUs, shorten "
+                f"--seq-length or lower --global-batch-size{', or drop a held degree to search it' if kept else ''}.")
     offload = any(c.offload_only for c in cands[:top])  # columns of the offload placement, when one is listed
     moe = cands[0].spec.model.num_experts is not None  # the ep and etp columns
     best = cands[0].spec.run
     tokens = cands[0].spec.model.seq_length * best.micro_batch_size * best.micro_batches * best.dp
     lines = [f"{len(cands)} feasible layouts on {hw.gpus} GPUs x {hw.gpu_memory_gib:g} GiB "
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
+             *([f"held as given: {kept}; every listed layout has them"] if kept else []),
              *document_lines(cands[0].spec.cfg, best.cp_split.ring),  # the share shown is the best layout's
              f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4}{' ep'.rjust(4) + ' etp' if moe else ''} {'zero':>4} "
              f"{'mbs':>4} {'m':>4} {'recompute':>9} "

@@ -189,7 +189,7 @@ def test_planner_output_says_the_documents_it_assumed():
     _, text = tool.report(base)
     assert "planned as documents of 4096 tokens (--seq-length: one document per sample, the upper bound)" in text
     _, text = tool.report(base + ["--plan-document-length", "512", "--json"])
-    assert json.loads(text)["layout"]["document_length"] == 512
+    assert json.loads(text)["layouts"][0]["layout"]["document_length"] == 512
     assert "documents:" not in format_plan(plan_memory(PlanSpec.for_world(packed_config("gpt2", None), 1)))
     with pytest.raises(ConfigError, match="--plan-document-length 512 only applies with --reset-attention-mask"):
         packed_config("gpt2", None, plan_document_length=512)

@@ -102,8 +102,8 @@ def test_the_plan_says_what_its_moe_figures_assume():
     assert "capacity factor 1.5: an exact bound" in text and "1,536 rows" in text, text  # 8 x ceil(1.5 x 1024 / 8)
     code, text = tool.report(BASE + ["--ep", "2", "--zero-stages", "1", "3"])  # one row per stage: the lines too
     assert code == 0 and "edp=2 (expert state sharded over edp from ZeRO 1)" in text and "ASSUMES" in text, text
-    plans = {(ep, zero): json.loads(tool.report(BASE + ["--ep", str(ep), "--zero", str(zero), "--json"])[1])
-             for ep in (1, 2) for zero in (0, 1)}
+    plans = {(ep, zero): json.loads(tool.report(BASE + ["--ep", str(ep), "--zero", str(zero), "--json"])[1])[
+        "layouts"][0] for ep in (1, 2) for zero in (0, 1)}
     cfg, _ = parse_config(BASE[:4])
     per_layer = sum(expert_numels(cfg.model, 1, 1))
     for (ep, zero), plan in plans.items():

@@ -103,6 +103,25 @@ def test_bad_flags_are_one_line(tmp_path, capsys, flags, words):
     assert words in _one_line_failure(capsys, ["--load", str(tmp_path), "--prompt", "x", *flags])
 
 
+@pytest.mark.parametrize("flags,shown", [(["--top-k", "5"], "--top-k 5"), (["--top-p", "0.9"], "--top-p 0.9"),
+                                         (["--seed", "1"], "--seed 1"),
+                                         (["--temperature", "0", "--top-k", "1"], "--top-k 1")])
+def test_sampling_flags_without_a_temperature_are_refused(tmp_path, capsys, flags, shown):
+    """Greedy decoding (--temperature 0, the default) reads no top-k, top-p or seed: each is refused, not ignored."""
+    flag = shown.split()[0]
+    assert _one_line_failure(capsys, ["--load", str(tmp_path), "--prompt", "x", *flags]) == (
+        f"generate.py: error: {shown} only applies when sampling; pass --temperature T > 0 to sample, or drop {flag} "
+        f"for greedy decoding (--temperature 0, the default)")
+
+
+def test_a_sampling_flag_without_a_temperature_is_one_line_from_the_command_line(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", str(tmp_path),
+                           "--prompt", "x", "--top-k", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stderr.strip() == ("generate.py: error: --top-k 5 only applies when sampling; pass --temperature T > 0 "
+                                   "to sample, or drop --top-k for greedy decoding (--temperature 0, the default)")
+
+
 def test_the_recorded_tokenizer_or_one_line_asking_for_it(tmp_path, capsys):
     """A checkpoint records its run's tokenizer; one that records none (as one converted from HF, with
     another vocabulary than the default corpus's) asks for --tokenizer-model, which then serves."""

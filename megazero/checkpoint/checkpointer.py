@@ -83,14 +83,15 @@ class SyncCheckpointer(NullCheckpointer):
 
 def open_checkpointer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
                       optimizer: ShardedOptimizerState, tp_rng: Any = None,
-                      loaded: str | None = None) -> Checkpointer:
+                      loaded: str | None = None, run_id: str | None = None) -> Checkpointer:
     """This run's saver from its flags (--save, --async-save, --keep-last, --skip-train).
 
-    ``loaded``: the checkpoint this run resumed from, which --keep-last never removes.
+    ``loaded``: the checkpoint this run resumed from, which --keep-last never removes; ``run_id``: recorded in
+    each checkpoint's metadata, so a resume from it continues the run.
     """
     ck = cfg.checkpoint
     if not ck.save or ck.skip_train:
         return NullCheckpointer()
     ctx = CheckpointContext(ck.save, cfg, plan, pstate, chunks, optimizer, tp_rng=tp_rng, keep_last=ck.keep_last,
-                            loaded=loaded)
+                            loaded=loaded, run_id=run_id)
     return AsyncCheckpointer(ctx) if ck.async_save else SyncCheckpointer(ctx)

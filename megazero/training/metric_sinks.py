@@ -10,6 +10,8 @@ import math
 import os
 from typing import Any, Iterator, Protocol
 
+import yaml
+
 
 class MetricSink(Protocol):
     """Takes every record the logging rank produces (iterations, evaluations, start-up memory)."""
@@ -58,11 +60,40 @@ def numeric_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
             yield f"{prefix}{key}", float(value)
 
 
-class TensorBoardSink:
-    """Writes each iteration's and evaluation's numeric fields as TensorBoard scalars at that iteration.
+PERF_FIELDS = {"step_time_ms", "tokens_per_sec", "tflops_per_device", "mfu", "elapsed_s", "eta_s",
+               "bubble_fraction"}
+MEMORY_FIELDS = {"peak_memory_bytes"}
 
-    Tags are the metrics file's field names, so the two agree line for line; TensorBoard stores them as
-    float32, and a non-finite loss stays NaN/inf there (the metrics file writes it as null).
+
+def tag_group(record: dict[str, Any], field: str) -> str:
+    """The TensorBoard section a top-level field is shown in: ``val`` (evaluations), ``moe``, ``comm`` (bytes
+    sent, --log-timers waits), ``perf`` (time, throughput, the bubble), ``memory``, else ``train``."""
+    if record.get("event") == "eval":
+        return "val"
+    if field.startswith("moe_"):
+        return "moe"
+    if field.startswith("comm_"):
+        return "comm"
+    return "perf" if field in PERF_FIELDS else "memory" if field in MEMORY_FIELDS else "train"
+
+
+def config_markdown(record: dict[str, Any]) -> str:
+    """A run_start record as TensorBoard's text plugin shows it: the run id, then the configuration as YAML
+    (a Markdown code block: four spaces before each line)."""
+    text = yaml.safe_dump({"run_id": record["run_id"], "continues": record["continues"],
+                           "start_iteration": record["start_iteration"], "layout": record["layout"],
+                           **record["config"]}, sort_keys=False)
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+class TensorBoardSink:
+    """Writes each iteration's and evaluation's numeric fields as TensorBoard scalars at that iteration, and
+    each run start's configuration as text (tag ``config``, at the iteration it starts from).
+
+    Tags are ``<group>/<field>`` (``tag_group``; nested fields ``<group>/<outer>/<inner>``), the field named as
+    in the metrics file, so the two agree line for line and TensorBoard shows one section per group;
+    TensorBoard stores them as float32, and a non-finite loss stays NaN/inf there (the metrics file writes
+    it as null).
     """
 
     def __init__(self, directory: str) -> None:
@@ -71,10 +102,14 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=directory)
 
     def write(self, record: dict[str, Any]) -> None:
-        if "iteration" not in record:  # the start-up memory records belong to no step
+        if record.get("event") == "run_start":
+            self.writer.add_text("config", config_markdown(record), global_step=record["start_iteration"])
+        elif "iteration" in record:  # (the start-up memory records belong to no step)
+            for tag, value in numeric_fields(record):
+                group = tag_group(record, tag.split("/", 1)[0])
+                self.writer.add_scalar(f"{group}/{tag}", value, global_step=record["iteration"])
+        else:
             return
-        for tag, value in numeric_fields(record):
-            self.writer.add_scalar(tag, value, global_step=record["iteration"])
         self.writer.flush()  # as the metrics file does: a live TensorBoard sees each step, a crash loses none
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 
 Around the step it logs (console line, metrics file, wandb), evaluates on
 held-out batches every ``--eval-interval``, saves every ``--save-interval``,
-and on SIGTERM/SIGINT finishes the current step, saves and returns, so a
-preempted job leaves a checkpoint at the iteration it reached; a second
+and on SIGTERM/SIGINT finishes the current step, logs and saves it and returns, so a
+preempted job leaves a checkpoint (and a record) at the iteration it reached; a second
 signal ends the process at once, even inside a collective (``stop_signal``). Every orderly
 stop (the end, a signal, a diverged run) concludes a pending --async-save
 before it leaves and says what ``latest`` names.
@@ -188,7 +188,10 @@ class Trainer:
                 self.checkpointer.finish()  # the end of training or a signal's save: wait, vote, publish
             except AgreedStop as err:
                 raise self._stop_agreed(err) from err
-            for line in summary(records, self.cfg, self.start, self.progress.elapsed(), self.checkpointer.latest()):
+            if self.cfg.logging.timeline:  # before the outputs line that names it
+                self.schedule.timeline.write(self.cfg.logging.timeline)
+            for line in summary(records, self.cfg, self.start, self.progress.elapsed(), self.checkpointer.latest(),
+                                world_size=self.pstate.layout.world_size, wandb=self.wandb.where()):
                 self.log.print(line)  # before a signal's last line, which says what was saved
             if signalled:
                 latest = self.checkpointer.latest()
@@ -196,8 +199,6 @@ class Trainer:
                                + (f", {latest}" if latest else ""))
         finally:
             stop.restore()
-        if self.cfg.logging.timeline:
-            self.schedule.timeline.write(self.cfg.logging.timeline)
         return records
 
     def _loop(self, records: list[dict[str, Any]], stop: StopSignal) -> bool:
@@ -215,8 +216,9 @@ class Trainer:
             nonfinite = self._count(loss, result)
             self.step_record.record(self.iteration, loss, result.grad_norm)
             last = self.iteration == t.train_iters
-            if self.iteration % every == 0 or last or nonfinite:  # a NaN iteration is always shown
-                record = self._record(loss, result, lr, elapsed)
+            signalled = self.checkpointer.saves and stop.agreed(self.pstate)  # decided before the record:
+            if self.iteration % every == 0 or last or nonfinite or signalled:  # the iteration a run stops at
+                record = self._record(loss, result, lr, elapsed)  # is always shown (and a NaN iteration)
                 records.append(record)
                 self._emit(record, format_iteration(record))
             else:
@@ -224,7 +226,6 @@ class Trainer:
             self._check_skips(loss, result)
             if self.eval_interval and (self.iteration % self.eval_interval == 0 or last):
                 records.append(self.evaluate())
-            signalled = self.checkpointer.saves and stop.agreed(self.pstate)
             self.checkpointer.poll()  # --async-save: publish a background save every rank has written
             interval = self.cfg.checkpoint.save_interval
             if last or signalled or (interval and self.iteration % interval == 0):

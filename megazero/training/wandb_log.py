@@ -38,6 +38,10 @@ class NullWandb:
     def describe(self) -> str:
         return "megazero: wandb: disabled (--wandb-mode disabled); nothing is logged to it"
 
+    def where(self) -> str:
+        """Nothing is written ('': the end-of-run outputs line leaves wandb out)."""
+        return ""
+
 
 class WandbRun:
     """A live wandb run: logs a record's numbers at its iteration."""
@@ -53,10 +57,20 @@ class WandbRun:
 
     def describe(self) -> str:
         """Where the run is written and, offline, how to upload it."""
-        folder = os.path.dirname(self.run.dir)  # run.dir is the run's files/ folder
+        folder = self._folder()
         if self.run.settings.mode == "offline":
             return f"megazero: wandb: offline run in {folder}; upload it with: .venv/bin/wandb sync {folder}"
         return f"megazero: wandb: run {self.run.url}, local files in {folder}"
+
+    def where(self) -> str:
+        """The wandb part of the end-of-run outputs line."""
+        folder = self._folder()
+        if self.run.settings.mode == "offline":
+            return f"wandb offline run {folder} (upload: .venv/bin/wandb sync {folder})"
+        return f"wandb run {self.run.url} (local files {folder})"
+
+    def _folder(self) -> str:
+        return os.path.dirname(self.run.dir)  # run.dir is the run's files/ folder
 
 
 def open_wandb(*, enabled: bool, project: str, name: str | None, mode: str | None, config: dict[str, Any],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file
@@ -27,6 +28,9 @@ ITERS, GLOBAL_BATCH = 4, 4
 
 class RecordingRun:
     """Stands in for a ``wandb.init`` run (no network, no files): keeps what it was given."""
+
+    dir = "wandb/offline-run-test/files"  # where wandb would write: the outputs line names its folder
+    settings = SimpleNamespace(mode="offline")
 
     def __init__(self) -> None:
         self.logged: list[tuple[int, dict]] = []

@@ -12,6 +12,7 @@ folder inside the output (same filesystem, hidden from loaders), synced, and com
    does not write), then the new non-entry files are renamed in;
 3. the new entry point is renamed in last: the folder loads the new export, and only it.
 
+Every file committed gets the mode the umask gives (``storage.shareable``), whoever wrote it.
 Files a user put there that no export writes (a README, training notes) are left alone.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import re
 import shutil
 
-from .storage import fsync_path
+from .storage import fsync_path, shareable
 
 STAGING_PREFIX = ".megazero-export-"
 # Weight files transformers or megazero's reader would pick up, in any layout or format.
@@ -64,7 +65,8 @@ def _alive(pid: str) -> bool:
 def commit(staging: str, out_dir: str) -> list[str]:
     """Replace ``out_dir``'s model files by ``staging``'s (see the module docstring); returns what was removed."""
     new = sorted(os.listdir(staging))
-    for name in new:
+    for name in new:  # written by safetensors, transformers, copies: each as the umask says (save_file gives 0600)
+        shareable(os.path.join(staging, name))
         fsync_path(os.path.join(staging, name))
     entries = [n for n in new if _ENTRY.match(n)]
     assert len(entries) == 1, f"an export has one weight entry point, got {entries}"

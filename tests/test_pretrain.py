@@ -86,7 +86,7 @@ def test_trains_from_preprocessed_data_with_tp_pp_dp(tmp_path):
     flags = [*SMALL, "--num-layers", "4", "--tp", "2", "--pp", "2", "--data-path", str(tmp_path / "corpus"),
              "--tokenizer-model", str(tmp_path / "tok.model"), "--train-iters", "6",
              "--metrics-file", str(tmp_path / "m.jsonl")]
-    for rank, r in enumerate(launch("pretrain_gpt.py", flags, 8)):
+    for rank, r in enumerate(launch("pretrain_gpt.py", flags, 8, fresh=True)):  # the entry path's smoke launch
         assert r.returncode == 0, f"rank {rank}:\n{r.stderr[-2000:]}"
     losses = [json.loads(line)["loss"] for line in open(tmp_path / "m.jsonl") if '"loss"' in line]
     assert len(losses) == 6 and losses[-1] < losses[0]

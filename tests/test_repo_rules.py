@@ -260,3 +260,19 @@ def test_the_blocks_of_a_chunk_are_found_one_way():
            if str(path.relative_to(ROOT)) not in BLOCK_WALKERS
            for i, line in enumerate(path.read_text().splitlines(), start=1) if BLOCK_WALKS.search(line)]
     assert not bad, "find a chunk's blocks with megazero.model.chunk.blocks_of:\n" + "\n".join(bad)
+
+
+# Files whose subject is the process itself (signals, torchrun restarts, two nodes, CUDA, the entry path's smoke
+# launch): only these start ranks as fresh interpreters (``launch(..., fresh=True)``); every other launch forks its
+# ranks from the test forkserver (``tests/helpers/forked_ranks.py``), as each is still its own process.
+FRESH_LAUNCHERS = {"tests/training/test_restart.py", "tests/training/test_orderly_stop.py",
+                   "tests/parallel/test_two_nodes.py", "tests/cuda/test_gpu_path.py", "tests/cuda/test_offload_cuda.py",
+                   "tests/test_pretrain.py"}
+
+
+def test_fresh_interpreters_only_where_the_process_is_the_subject():
+    used = {str(path.relative_to(ROOT)) for path in sorted(TESTS.rglob("*.py")) if path.name != "launch.py"
+            and re.search(r"fresh\s*=\s*True", path.read_text()) and path.name != "test_repo_rules.py"}
+    assert used <= FRESH_LAUNCHERS, ("launch(..., fresh=True) outside the listed files; fork the ranks (the default) "
+                                     f"or add the file to FRESH_LAUNCHERS with why: {sorted(used - FRESH_LAUNCHERS)}")
+    assert FRESH_LAUNCHERS <= used, f"listed but no longer fresh: {sorted(FRESH_LAUNCHERS - used)}"

@@ -28,7 +28,8 @@ NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 
 def losses(tmp_path, name: str, nproc: int, flags: list[str]) -> list[float]:
     metrics = tmp_path / f"{name}.jsonl"
-    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", str(metrics)], nproc, env=NO_TF32)
+    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", str(metrics)], nproc, env=NO_TF32,
+                     fresh=True)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"{name} rank {rank}:\n{r.stderr[-3000:]}"
     return [r["loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]

@@ -35,7 +35,7 @@ NO_TF32 = {"NVIDIA_TF32_OVERRIDE": "0"}
 def run(tmp_path, name: str, flags: list[str]) -> tuple[list[float], dict, int]:
     """(losses, the memory record, peak allocated device bytes) of one single-GPU run."""
     metrics = tmp_path / f"{name}.jsonl"
-    (result,) = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", str(metrics)], 1, env=NO_TF32)
+    (result,) = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", str(metrics)], 1, env=NO_TF32, fresh=True)
     assert result.returncode == 0, f"{name}:\n{result.stderr[-3000:]}"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [r for r in rows if "event" not in r]

@@ -17,10 +17,11 @@ from typing import Any, Callable
 
 import torch
 
-_CONTEXT = mp.get_context("forkserver")
+CONTEXT = mp.get_context("forkserver")
 # torch._dynamo too: building a model imports it (torch's meta-device init runs through _disable_dynamo), ~1.7 s
-# of CPU that each rank would otherwise pay again
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops", "megazero.model.gpt"])
+# of CPU that each rank would otherwise pay again; pretrain_gpt for the ranks tests/helpers/launch.py forks
+CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops", "megazero.model.gpt",
+                                "pretrain_gpt"])
 
 
 def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int, int, int, int | None], init_file: str,
@@ -51,7 +52,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, tp: int = 1, pp: int = 1, c
         init_file = os.path.join(tmp, "init")
         outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(world_size)]
         grid, test_id = (tp, pp, cp, cp_a2a, ep, etp), os.environ.get("PYTEST_CURRENT_TEST", "")
-        procs = [_CONTEXT.Process(target=_worker, args=(fn, r, world_size, grid, init_file, outs[r], args, test_id))
+        procs = [CONTEXT.Process(target=_worker, args=(fn, r, world_size, grid, init_file, outs[r], args, test_id))
                  for r in range(world_size)]
         for p in procs:
             p.start()

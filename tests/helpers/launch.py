@@ -1,8 +1,11 @@
 """Run a script as N real ranks (what torchrun does, minus its agent) and collect their output.
 
-Each rank is a fresh process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, so
+Each rank is its own process with RANK/WORLD_SIZE/LOCAL_RANK/MASTER_* set, so
 the script joins a real gloo world exactly as under torchrun; every rank's
-exit code and output are returned, so tests can check each one.
+exit code and output are returned, so tests can check each one. By default a
+rank is a child of the test forkserver with torch and megazero already imported
+(``forked_ranks.py``); ``fresh=True`` starts a new interpreter (``Popen``), for
+tests whose subject is the process itself (signals, restarts, process groups).
 """
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+
+from tests.helpers.forked_ranks import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,14 +34,19 @@ def _free_port() -> int:
 
 
 def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
-           env: dict[str, str] | None = None) -> list[RankResult]:
+           env: dict[str, str] | None = None, fresh: bool = False) -> list[RankResult]:
+    """Each rank's exit code and output. ``fresh=True`` (a real interpreter per rank) is for the files
+    ``tests/test_repo_rules.py`` lists: those whose subject is the process itself."""
     port = str(_free_port())
+    rank_envs = [{**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
+                  "PYTHONPATH": ROOT, **(env or {})} for rank in range(nproc)]
+    path = os.path.join(ROOT, script)
+    if not fresh:
+        return [RankResult(*r) for r in run_forked(path, rank_envs, args, ROOT, timeout)]
     procs = []
-    for rank in range(nproc):
-        rank_env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": ROOT, **(env or {})}
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args], env=rank_env,
+    for rank_env in rank_envs:
+        procs.append(subprocess.Popen([sys.executable, path, *args], env=rank_env,
                                       cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     try:

@@ -142,7 +142,8 @@ def test_two_nodes_train_as_one_process(nodes, tmp_path):
 
 def test_tp_group_across_nodes_is_refused_on_every_rank():
     """LOCAL_WORLD_SIZE 1 (one rank per node, as torchrun would set it) and --tp 2: one line, exit 2, no hang."""
-    results = launch("pretrain_gpt.py", [*SMALL, "--tp", "2"], 2, timeout=300, env={"LOCAL_WORLD_SIZE": "1"})
+    results = launch("pretrain_gpt.py", [*SMALL, "--tp", "2"], 2, timeout=300, env={"LOCAL_WORLD_SIZE": "1"},
+                     fresh=True)
     for rank, r in enumerate(results):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 2 and len(lines) == 1, f"rank {rank}: exit {r.returncode}\n{r.stderr}"

@@ -277,7 +277,7 @@ def test_a_restart_never_reads_the_dead_attempts_keys(tmp_path):
     for attempt, late in enumerate((-1, 1, 0)):
         env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(agent.port),
                "TORCHELASTIC_RUN_ID": "staged", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-        for rank, r in enumerate(launch(str(script), [str(late)], 2, timeout=GUARD, env=env)):
+        for rank, r in enumerate(launch(str(script), [str(late)], 2, timeout=GUARD, env=env, fresh=True)):
             assert (r.returncode, r.stdout) == (0, "sum 3\n"), (attempt, rank, r.stderr[-3000:])
 
 
@@ -306,7 +306,8 @@ run_then_exit(main)
 def test_distributed_timeout_reaches_every_group(tmp_path):
     script = tmp_path / "timeouts.py"
     script.write_text(TIMEOUTS)
-    results = launch(str(script), ["--tp", "2", "--distributed-timeout-minutes", "0.75"], 2, timeout=GUARD)
+    results = launch(str(script), ["--tp", "2", "--distributed-timeout-minutes", "0.75"], 2, timeout=GUARD,
+                     fresh=True)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
         seen = dict(line.split() for line in r.stdout.splitlines())

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 NPROC  ?= 4
 STAMP  := $(VENV)/.megazero-installed
 
-.PHONY: setup train test lint bench gpu-check clean
+.PHONY: setup train test test-quick lint bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -16,12 +16,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,lint]'
 	touch $(STAMP)
 
+# Trains from scratch every time: the previous run's runs/tiny (metrics, checkpoints) is removed first. It
+# evaluates every 40 steps and at the last one, and saves the last step where docs/generation.md samples from.
 train: $(STAMP)
+	rm -rf runs/tiny
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) pretrain_gpt.py \
-		--config configs/tiny.yaml --tp 2 --metrics-file runs/tiny/metrics.jsonl
+		--config configs/tiny.yaml --tp 2 --eval-interval 40 --metrics-file runs/tiny/metrics.jsonl \
+		--save runs/tiny/checkpoints
 
+# test: everything. test-quick: the tests that start no process of their own (tests/helpers/tiers.py marks each
+# test by what it uses), for before each commit. PYTEST_ARGS adds pytest flags (.ci/run: --durations=30).
 test: $(STAMP)
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+test-quick: $(STAMP)
+	$(PY) -m pytest tests -q -m "not launch" $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle, bugbear; settings in pyproject.toml) on everything, and mypy on megazero/ against
 # the committed baseline .ci/mypy-baseline.txt, which may only shrink (.ci/type_baseline.py says how).

@@ -86,9 +86,12 @@ def parse_config(argv: Sequence[str] | None = None, prog: str = "pretrain_gpt.py
     parser = build_parser(prog, extra)
     ns = parser.parse_args(argv)
     settings = load_yaml(ns.config) if ns.config else {}
+    preset = frozenset(key.replace("-", "_") for key in settings)
     extra_names = {e[1].get("dest") or e[0].lstrip("-").replace("-", "_") for e in extra}
-    for key, value in vars(ns).items():
-        if key != "config" and key not in extra_names:
-            settings[key] = value
-    explicit = frozenset(key.replace("-", "_") for key in settings)  # --load: these override the checkpoint
-    return Config.from_flat(settings, explicit=explicit, model_pending=bool(settings.get("load"))), ns
+    typed = {key for key in vars(ns) if key != "config" and key not in extra_names}
+    for key in typed:
+        settings[key] = getattr(ns, key)
+    explicit = frozenset(key.replace("-", "_") for key in settings)
+    # --load: a typed model flag must agree with the checkpoint; a preset's alone yields to it (merge_config)
+    return Config.from_flat(settings, explicit=explicit, model_pending=bool(settings.get("load")),
+                            from_preset=preset - typed), ns

@@ -185,8 +185,9 @@ class LoggingConfig:
     timeline: str | None = opt(None, "Write each rank's forward/backward spans as Chrome-trace JSON to this path "
                                "('{rank}' in it is replaced, else '.rank<N>' is added before the extension).")
 
-    log_timers: bool = opt(False, "Also log the seconds this rank was blocked in tp/pp/dp communication per "
-                                  "step, and the pipeline bubble fraction.")
+    log_timers: bool = opt(False, "Also log how long this rank was blocked in tp/pp/dp communication per step "
+                                  "(the log line in ms, the metrics file's comm_wait_s in seconds), and the "
+                                  "pipeline bubble fraction.")
     wandb_project: str | None = opt(None, "Log to Weights & Biases under this project (rank 0 of the last stage).")
     wandb_name: str | None = opt(None, "wandb run name.", applies=_WITH_WANDB)
     wandb_mode: str | None = opt(None, "wandb mode; None = online with an API key configured, else offline.",
@@ -208,10 +209,12 @@ class CheckpointConfig:
     save_interval: int = opt(0, "Save every N iterations (and at the end, and on SIGTERM/SIGINT); 0 = only "
                                 "at the end and on a signal.", at_least=0, applies=_WITH_SAVE)
     load: str | None = opt(None, "Resume from this folder (its 'latest' checkpoint) or one iter_* folder; any "
-                                 "tp/pp/dp/zero layout loads into any other of the same model.")
+                                 "tp/pp/dp/zero layout loads into any other of the same model. The model, data and "
+                                 "tokenizer settings come from the checkpoint unless given.")
     finetune: bool = opt(False, "Load only the model weights from --load (Megatron's flag): a new run from them, with "
                          "a fresh optimizer and LR schedule, iteration 0, the data from its start and every generator "
-                         "from --seed; the checkpoint's model settings still apply.", applies=_WITH_LOAD)
+                         "from --seed; the checkpoint's model, data and tokenizer settings still apply.",
+                         applies=_WITH_LOAD)
     load_optim: bool = opt(True, "--no-load-optim: keep the checkpoint's iteration and data position but start the "
                            "optimizer fresh (fp32 master weights from the loaded weights, zero Adam moments, the "
                            "initial loss scale); the LR schedule follows the iteration.", applies=_WITH_LOAD)
@@ -268,26 +271,36 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
-    """Settings the user gave (YAML preset or flag), not defaults: --load lets only these override the
-    checkpoint's model. Not a flag and not in ``to_flat()``."""
+    """Settings the user gave (YAML preset or flag), not defaults. Not a flag and not in ``to_flat()``."""
+    from_preset: frozenset[str] = field(default=frozenset(), compare=False)
+    """The part of ``explicit`` that only a ``--config`` preset gave (no flag typed): on --load, a model setting
+    of the checkpoint replaces these rather than being contradicted by them (``typed``)."""
+
+    @property
+    def typed(self) -> frozenset[str]:
+        """Settings given on the command line: --load refuses a model setting of these that contradicts the
+        checkpoint's."""
+        return self.explicit - self.from_preset
 
     @classmethod
     def from_flat(cls, settings: dict[str, Any], explicit: frozenset[str] = frozenset(),
-                  model_pending: bool = False) -> "Config":
+                  model_pending: bool = False, from_preset: frozenset[str] = frozenset()) -> "Config":
         """Route each flat key to its section; an unknown key is an error naming it. A setting given
         (``explicit``, or off its default) that cannot apply to this run is refused; ``updated`` does not
         refuse, since what it changes is the program's derivation (a planner's candidate), not the user's.
-        ``model_pending``: a --load checkpoint may still supply the model settings not given (``--load ckpt
-        --ep 2`` needs no --num-experts), so the settings that depend on those wait for ``refuse_inapplicable``."""
+        ``model_pending``: a --load checkpoint may still supply the model settings not typed (``--load ckpt
+        --ep 2`` needs no --num-experts; a preset's yield to it), so the settings that depend on those wait for
+        ``refuse_inapplicable``. ``from_preset``: the given settings that only the preset gave."""
         per_section = _by_section(settings)
         config = cls(**{section: SECTIONS[section](**per_section.get(section, {})) for section in SECTIONS},
-                     explicit=explicit)
-        config.refuse_inapplicable(MODEL_FIELDS - explicit if model_pending else frozenset())
+                     explicit=explicit, from_preset=from_preset & explicit)
+        config.refuse_inapplicable(MODEL_FIELDS - config.typed if model_pending else frozenset())
         return config
 
     def refuse_inapplicable(self, pending: frozenset[str] = frozenset()) -> None:
         """Refuse a setting given that cannot apply to this run, except those that depend on ``pending`` ones."""
         check_applicable([getattr(self, section) for section in SECTIONS], self.explicit, pending)
+        self.model.refuse_idle_balancing(self.explicit, pending)  # a balancing loss given without its weight
 
     def updated(self, **settings: Any) -> "Config":
         """A copy with these flat settings changed; every changed section validates itself again."""

@@ -25,7 +25,8 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers.shell import ROOT, fresh_env, logical_lines
+
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 RUN = "run"
 LAUNCHER = r"(?:\$ |\.venv/bin/|python3? |torchrun |make |bash |[A-Z_]+=\S* )"
@@ -37,6 +38,7 @@ _USER_DATA = "reads the user's own corpus; tests/data/test_tokenizer_preprocess.
 _MULTI_NODE = "needs several nodes (node0) or Slurm; tests/parallel/test_two_nodes.py runs two nodes on one machine"
 _GPU = "GPU only, by the machine's own python3 (docs/gpu.md says why); `make gpu-check` runs it where a GPU is"
 _GENERATE = "reads the checkpoint the training above saves; tests/tools/test_generate.py generates from one"
+_GENERATE_MAKE = "reads the checkpoint `make train` saves (minutes); tests/test_make_train.py checks the folder"
 _CKPT = "converts a checkpoint a training run wrote; tests/checkpoint/ converts both ways"
 _PLOT = "plots the metrics of `make train` (minutes); tests/training/test_tensorboard_plot.py plots two runs' metrics"
 
@@ -84,8 +86,10 @@ COMMANDS: dict[str, str] = {
     "OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 4 pretrain_gpt.py --config configs/tiny.yaml "
     "--tp 2 --pp 2 --train-iters 40 --save runs/tiny-gen": _TRAINS,
     '.venv/bin/python tools/generate.py --load runs/tiny-gen --prompt "Return the" --max-new-tokens 32': _GENERATE,
-    '.venv/bin/python tools/generate.py --load runs/tiny-gen --prompt "Return the" --prompt "If" --temperature 0.8 '
-    "--top-k 50 --top-p 0.95 --seed 1 --print-ids": _GENERATE,
+    '.venv/bin/python tools/generate.py --load runs/tiny/checkpoints --prompt "Return the" --max-new-tokens 32':
+        _GENERATE_MAKE,
+    '.venv/bin/python tools/generate.py --load runs/tiny/checkpoints --prompt "Return the" --prompt "If" '
+    "--temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --print-ids": _GENERATE_MAKE,
     ".venv/bin/torchrun --nproc_per_node 8 pretrain_gpt.py --tp 2 --cp 2 --pp 2 --zero 3 --seq-length 2048": _TRAINS,
     ".venv/bin/python tools/train_tokenizer.py --input corpus.jsonl --model-prefix tok --vocab-size 32000":
         _USER_DATA,
@@ -175,22 +179,12 @@ COMMANDS: dict[str, str] = {
 OWN_PYTHON = {"python3 -m bench.gpu_mfu", "python3 -m bench.gpu_mfu --ladder"}
 
 
-def _logical_lines(body: str) -> list[str]:
-    """``body``'s lines with backslash continuations joined, comments and blank lines dropped."""
-    lines = []
-    for line in re.sub(r"\\\n\s*", " ", body).splitlines():
-        line = re.sub(r"\s+#.*$|^#.*$", "", line).strip()
-        if line:
-            lines.append(" ".join(line.split()))
-    return lines
-
-
 def _page_commands(text: str) -> list[str]:
     """The commands of one page (see the module docstring), generated planner blocks left out."""
     text = re.sub(r"<!-- plan:(\S+) begin -->.*?<!-- plan:\1 end -->", "", text, flags=re.DOTALL)
     commands = []
     for lang, body in re.findall(r"^```(\w*)\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE):
-        lines = _logical_lines(body)
+        lines = logical_lines(body)
         commands += lines if lang in ("bash", "sh") else [ln for ln in lines if re.match(LAUNCHER, ln)]
     prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
     for span in re.findall(r"`([^`\n]+)`", prose):
@@ -219,15 +213,6 @@ def programs(command: str) -> list[str]:
         words = words[2:] if words[:2] == ["/usr/bin/time", "-v"] else words
         out += words[:1]
     return out
-
-
-def fresh_env() -> dict[str, str]:
-    """A new login shell's environment: no venv on PATH (nor VIRTUAL_ENV), no PYTHONPATH (conftest sets one)."""
-    venv_bin = os.path.realpath(os.path.join(ROOT, ".venv", "bin"))
-    path = [p for p in os.environ.get("PATH", "").split(os.pathsep)
-            if p and os.path.realpath(p) != venv_bin and not os.path.exists(os.path.join(p, "activate"))]
-    keep = {k: os.environ[k] for k in ("HOME", "USER", "LANG", "LC_ALL", "TMPDIR") if k in os.environ}
-    return {**keep, "PATH": os.pathsep.join(path) or "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
 
 
 def run_in_fresh_shell(commands: list[str], tmp_path, limit_s: int = 120) -> list[tuple[int, str]]:

@@ -11,8 +11,9 @@ its sentencepiece model; GPT2LMHeadModel, LlamaForCausalLM or (llama with --qk-l
 Qwen3ForCausalLM.from_pretrained loads it, and with --num-experts MixtralForCausalLM (or, with
 --qk-layernorm, Qwen3MoeForCausalLM). An export replaces an earlier one in the folder whole
 (either layout), and a crash midway leaves it unloadable, never holding the old weights. A
-megazero checkpoint made from HF has no optimizer state: `pretrain_gpt.py --load DIR` continues
-pretraining from the weights.
+megazero checkpoint made from HF has no optimizer state and holds a copy of the HF folder's tokenizer
+(``tokenizer/``, found wherever the folder moves): `pretrain_gpt.py --load DIR --data-path P` continues
+pretraining from the weights on token files made with that tokenizer.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from megazero.dtypes import DTYPES  # noqa: E402
 
 def _tokenizer_for(cfg, explicit: str | None, explicit_type: str | None) -> tuple[str | None, str | None]:
     """(path, type) of the tokenizer to ship: --tokenizer-model, else the run's (a sentencepiece model or an
-    HF tokenizer.json); a checkpoint made from HF (another vocabulary) ships none."""
+    HF tokenizer.json; for a checkpoint made from HF, the copy of its folder's); one made from an HF folder
+    without a tokenizer (another vocabulary) ships none."""
     from megazero.data.tokenizer import load_tokenizer
 
     if explicit:

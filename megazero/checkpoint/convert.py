@@ -12,7 +12,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,7 +30,8 @@ from .hf import from_hf, to_hf
 from .hf_fields import hf_config, model_config_from_hf
 from .hf_tokenizer_export import write_tokenizer
 from .load import ShardReader
-from .save import non_finite
+from .recorded_data import copy_hf_tokenizer, recorded_tokenizer
+from .save import non_finite, write_tensors
 from .slices import Region, expert_region, relative, tp_region
 
 State = dict[str, torch.Tensor]
@@ -45,6 +46,9 @@ def read_full_state(path: str, tp: int | None = None, flag: str = "--load") -> t
     folder = storage.resolve(path, flag)
     meta = storage.read_metadata(folder)
     cfg = Config.from_flat(meta["config"])
+    if "tokenizer" in meta:  # the recorded path while it exists, else the checkpoint's own copy (recorded_data.py):
+        tokenizer, kind = recorded_tokenizer(folder, meta)  # what generate.py reads and an HF export ships
+        cfg = cfg.updated(tokenizer_model=tokenizer, tokenizer_type=kind)
     reader, state = ShardReader(folder), {}
     for name, entry in meta["model"].items():
         full = torch.zeros(entry["shape"], dtype=getattr(torch, entry["dtype"]))
@@ -112,10 +116,12 @@ def _regions(name: str, shape: list[int], spec: Any, pp_rank: int, layout: Layou
 
 
 def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, vp: int = 1, ep: int = 1,
-                     etp: int | None = None, iteration: int = 0) -> str:
+                     etp: int | None = None, iteration: int = 0, tokenizer_from: str | None = None,
+                     log: Callable[[str], None] = print) -> str:
     """Slice a full state into a (tp, pp, vp; ep, etp) megazero checkpoint with no optimizer state.
 
     The layout is validated before anything is written: a checkpoint a run could not load is never made.
+    ``tokenizer_from``: an HF folder whose tokenizer is copied into the checkpoint (``recorded_data``).
     """
     saved_cfg = target_config(cfg, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)
     with torch.device("meta"):
@@ -144,10 +150,13 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
                 files.setdefault(fname, {})[name] = full[relative(region, [(0, n) for n in full.shape])].contiguous()
                 entry["files"][fname] = region
         for fname, tensors in files.items():
-            save_file(tensors, os.path.join(staging, fname))
+            write_tensors(tensors, os.path.join(staging, fname))  # the umask's mode, as a run's save
     record = {**layout_record(Layout(tp=tp, dp=1, pp=pp), cfg.parallel.zero, vp), "ep": ep, "etp": layout.expert_tp}
     meta = storage.metadata_dict(config=saved_cfg.to_flat(), layout=record, iteration=iteration, consumed_samples=0,
                                  model=index, optimizer_scalars={}, optimizer_files={}, rng_files=False)
+    tokenizer = copy_hf_tokenizer(tokenizer_from, staging, cfg.model.vocab_size, log) if tokenizer_from else None
+    if tokenizer:
+        meta["tokenizer"] = tokenizer
     storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
     return storage.publish(root, staging, iteration, keep_last=None)
 
@@ -245,9 +254,10 @@ def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
 
 
 def hf_to_checkpoint(in_dir: str, out_root: str, *, tp: int, pp: int, vp: int = 1, ep: int = 1,
-                     etp: int | None = None) -> str:
+                     etp: int | None = None, log: Callable[[str], None] = print) -> str:
+    """An HF folder as a megazero checkpoint at (tp, pp, vp; ep, etp), with a copy of its tokenizer."""
     model_cfg, hf_state = load_hf(in_dir)
     cfg = Config(model=model_cfg)
     target_config(cfg, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)  # before from_hf pads for tp
     full = from_hf(hf_state, model_cfg, model_cfg.padded_vocab_size(tp))
-    return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)
+    return write_checkpoint(out_root, cfg, full, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp, tokenizer_from=in_dir, log=log)

@@ -125,18 +125,23 @@ def _model_values(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
-    """The run's config with the model taken from the checkpoint unless given explicitly (as Megatron's
-    --use-checkpoint-args); an explicit setting that contradicts it is an error. Returns the new Config
-    and the settings the checkpoint changed. Layout and run-time settings stay the run's."""
+    """The run's config with the model taken from the checkpoint unless typed as a flag (as Megatron's
+    --use-checkpoint-args); a typed setting that contradicts it is an error, while one that only the --config
+    preset gave yields to the checkpoint's (``overridable.preset_yield_line`` names those). Returns the new
+    Config and the settings the checkpoint changed. Layout and run-time settings stay the run's."""
     saved, run = _model_values(meta["config"]), cfg.to_flat()
-    merged = {**run, **{k: saved[k] for k in model_keys() if k not in cfg.explicit}}
-    if "seq_length" not in cfg.explicit:
+    typed = cfg.typed
+    given = typed | (cfg.explicit & set(OVERRIDABLE_KEYS))  # a preset's training setting still applies
+    merged = {**run, **{k: saved[k] for k in model_keys() if k not in given}}
+    table = _meaning(saved, "max_position_embeddings")
+    preset_too_long = saved["arch"] == "gpt2" and "seq_length" in cfg.from_preset and run["seq_length"] > table
+    if "seq_length" not in cfg.explicit or preset_too_long:  # a preset's --seq-length stays if the model takes it
         merged["seq_length"] = saved["seq_length"]
-    if saved["arch"] == "llama" and "max_position_embeddings" not in cfg.explicit:
+    if saved["arch"] == "llama" and "max_position_embeddings" not in typed:
         # no position table to fit, but the model's context length (an HF export's max_position_embeddings):
         # kept, or raised to a longer --seq-length
         merged["max_position_embeddings"] = max(_meaning(saved, "max_position_embeddings"), merged["seq_length"])
-    for key in [k for k in model_keys() if k in cfg.explicit - set(OVERRIDABLE_KEYS)]:  # a cause before its effect
+    for key in [k for k in model_keys() if k in typed - set(OVERRIDABLE_KEYS)]:  # a cause before its effect
         if key == "max_position_embeddings" and saved["arch"] == "llama":
             continue
         if key == "vocab_size" and saved["vocab_size"] is None:
@@ -146,13 +151,14 @@ def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
             raise ConfigError(f"{flag(key)} {_shown(merged[key], have, key)} contradicts the checkpoint's "
                               f"{_shown(saved[key], want, key)}; drop the flag to use the checkpoint's model, "
                               f"or load a checkpoint of this model.")
-    table = _meaning(saved, "max_position_embeddings")
     if saved["arch"] == "gpt2" and merged["seq_length"] > table:
         raise ConfigError(f"--seq-length {merged['seq_length']} exceeds the checkpoint's learned position table "
                           f"({table}); use --seq-length {table} or less.")
     if saved["arch"] == "gpt2":
         merged["max_position_embeddings"] = table
-    new = Config.from_flat(merged, explicit=cfg.explicit)
+    yielded = (cfg.from_preset & (set(model_keys()) - set(OVERRIDABLE_KEYS))) | (
+        {"seq_length"} if preset_too_long else set())
+    new = Config.from_flat(merged, explicit=cfg.explicit - yielded, from_preset=cfg.from_preset - yielded)
     changed = [f"{flag(k)} {merged[k]}" for k in model_keys() + ["seq_length"] if merged[k] != run[k]]
     return new, changed
 
@@ -266,7 +272,7 @@ def starts_fresh(load: str | None, save: str | None) -> bool:
     """
     if not load or not save or os.path.realpath(load) != os.path.realpath(save):
         return False
-    return not holds_checkpoint(load)
+    return not holds_checkpoint(load) and not storage.is_hf_folder(load)  # an HF folder: "convert it first"
 
 
 def resume_rng(folder: str, meta: dict[str, Any], plan: RunPlan, pstate: ParallelState, tp_rng: Any) -> str | None:

@@ -46,3 +46,17 @@ def document_change_line(meta: dict[str, Any], cfg: Config) -> str | None:
         return None
     return (f"megazero: document masking differs from the run that saved the checkpoint: {', '.join(changed)}; "
             f"pass the same switches to keep its objective")
+
+
+def preset_yield_line(given: Config, merged: Config) -> str | None:
+    """The line naming each model setting that only the --config preset gave and the checkpoint replaced
+    (``merge_config``; ``given`` is the config before it); None when the preset agreed with the checkpoint.
+    A typed flag is never replaced: one that contradicts the checkpoint is refused."""
+    before, after = given.to_flat(), merged.to_flat()
+    replaced = sorted(given.from_preset - merged.from_preset, key=list(before).index)
+    changed = [f"{flag(key)} {after[key]} (the preset's {before[key]})" for key in replaced
+               if before[key] != after[key]]
+    if not changed:
+        return None
+    return (f"megazero: the checkpoint's model replaces what the --config preset set: {', '.join(changed)}; a flag "
+            f"typed on the command line instead must agree with the checkpoint")

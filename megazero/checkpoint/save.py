@@ -11,7 +11,8 @@
   full state on every DP rank, so only the rank that writes the weight
   writes it);
 - RNG states: one small file per rank (exact resume in the same layout);
-- every file is fsynced before the vote, so what rank 0 publishes is on disk;
+- every file is fsynced before the vote, so what rank 0 publishes is on disk, and gets the mode the
+  umask gives (``storage.shareable``), so a team can share the checkpoint;
 - metadata.json (rank 0, last): config, layout, iteration, consumed samples,
   optimizer scalars, and an index of each tensor's full shape and the region
   or flat range each file holds - what resharding on load needs.
@@ -42,6 +43,7 @@ from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import spec_of
 from . import storage
+from .recorded_data import copy_run_tokenizer
 from .placement import model_tensors, named_parameters, region_of, weight_file, writes, writes_any
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -143,9 +145,11 @@ def write_files(staging: str, files: dict[str, dict[str, torch.Tensor]]) -> list
 
 def write_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
     """``save_file``, failing as an OSError that names the file (safetensors raises its own
-    SafetensorError for a full disk or a size limit, which would print as a traceback)."""
+    SafetensorError for a full disk or a size limit, which would print as a traceback); the file gets
+    the umask's mode (``storage.shareable``: save_file writes 0600)."""
     try:
         save_file(tensors, path)
+        storage.shareable(path)
     except OSError:
         raise
     except Exception as err:  # noqa: BLE001 - safetensors' error type is not importable by a stable name
@@ -275,6 +279,7 @@ class CheckpointContext:
     keep_last: int | None = None  # --keep-last
     loaded: str | None = None  # the folder this run resumed from, which --keep-last never removes
     log: Callable[[str], None] = print  # rank 0's line for each published save
+    run_id: str | None = None  # the run's id (training/run_identity.py), recorded so that a resume continues it
 
 
 def save_checkpoint(ctx: CheckpointContext, iteration: int, consumed_samples: int) -> str:
@@ -316,7 +321,8 @@ def conclude(target: SaveTarget, pieces: list[dict], own: BaseException | None, 
     if pstate.rank == 0:
         try:
             meta = {**_metadata(cfg, ctx.plan, iteration, target.consumed_samples, target.scalars, pieces),
-                    "saved_at": int(target.stamp)}
+                    "saved_at": int(target.stamp), **({"run_id": ctx.run_id} if ctx.run_id else {})}
+            meta.update(copy_run_tokenizer(cfg, staging))  # moves with the checkpoint (recorded_data.py)
             spare = _loaded(cfg, root, ctx.loaded)
             storage.write_json_atomic(os.path.join(staging, storage.METADATA), meta)
             final = storage.publish(root, staging, iteration, keep_last=None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 from typing import Any
 
@@ -60,6 +61,34 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux shows it (``os.umask`` reads it only by
+    setting it, a race with an --async-save writer thread creating files at the same moment)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)  # elsewhere: the strictest stand-in for the instant it is read
+    os.umask(mask)
+    return mask
+
+
+def shareable(path: str) -> None:
+    """Give a file (folder) megazero wrote the mode the umask gives a new one, 0o666 (0o777) & ~umask.
+
+    safetensors' ``save_file`` (so transformers' ``save_pretrained``) and ``tempfile`` write 0600 whatever
+    the umask: a checkpoint or export a team shares would be readable by its writer alone. A filesystem
+    without modes (some network mounts) refuses the chmod; its files keep what it gives them."""
+    base = 0o777 if os.path.isdir(path) else 0o666
+    try:
+        os.chmod(path, base & ~current_umask())
+    except PermissionError:
+        pass
 
 
 def write_json_atomic(path: str, obj: Any) -> None:
@@ -163,6 +192,11 @@ def resolve(path: str, flag: str = "--load") -> str:
     if os.path.isfile(os.path.join(path, METADATA)):
         return path
     latest = os.path.join(path, LATEST)
+    if not os.path.isfile(latest) and is_hf_folder(path):
+        target = shlex.quote(path.rstrip("/") + "-megazero")
+        raise ValueError(f"{flag} {path!r} is an HF transformers model folder, not a megazero checkpoint; convert it "
+                         f"first: .venv/bin/python tools/convert_checkpoint.py --input {shlex.quote(path)} --output "
+                         f"{target} --to megazero, and pass its --output as {flag}.")
     if not os.path.isfile(latest):
         raise ValueError(f"{flag} {path!r} holds no checkpoint (no {LATEST} file and no {METADATA}); "
                          f"pass the --save folder of an earlier run.")
@@ -183,6 +217,15 @@ def resolve(path: str, flag: str = "--load") -> str:
         raise ValueError(f"{latest!r} names {folder!r}, {what}; the checkpoint is gone or incomplete - "
                          f"point {flag} at an earlier iter_* folder.")
     return folder
+
+
+def is_hf_folder(path: str) -> bool:
+    """A folder as transformers' ``save_pretrained`` writes it: config.json beside safetensors weights."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return "config.json" in names and any(n.endswith(".safetensors") for n in names)
 
 
 def read_metadata(folder: str) -> dict[str, Any]:

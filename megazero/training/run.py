@@ -18,9 +18,10 @@ from torch import nn
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
 from ..checkpoint.checkpointer import open_checkpointer
-from ..checkpoint.overridable import document_change_line, overrides_line
+from ..checkpoint.overridable import document_change_line, overrides_line, preset_yield_line
+from ..checkpoint.recorded_data import data_text, merge_data
 from ..config import Config, ConfigError
-from ..data import DataBundle, MicroBatchIterator, build_data
+from ..data import DataBundle, MicroBatchIterator, build_data, check_data_tokenizer
 from ..memory.params import num_parameters
 from ..memory.recompute_choice import resolve_recompute
 from ..model.chunk import blocks_of
@@ -42,6 +43,7 @@ from .metrics import MetricsLog
 from .ownership import own_folders
 from .parallelize import parallelize
 from .preflight import check_output_paths
+from .run_identity import RunIdentity
 from .startup_report import LoadTimer, report_start
 from .trainer import Trainer
 from .wandb_log import NullWandb, WandbRun, open_wandb
@@ -55,6 +57,8 @@ def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) ->
     as torchrun numbers them, so a TP group that would span nodes is refused here.
     """
     cfg.refuse_inapplicable()  # what parsing left for a --load checkpoint's model (``Config.from_flat``)
+    if not cfg.checkpoint.skip_train:  # a model that cannot train still evaluates
+        cfg.model.check_trainable()
     plan = RunPlan.resolve(cfg, world_size)
     check_tp_inside_nodes(plan.layout, contiguous_nodes(world_size, ranks_per_node or world_size),
                           cfg.parallel.allow_tp_across_nodes)
@@ -213,28 +217,41 @@ def _start(cfg: Config, log_fn: Callable, plan: RunPlan | None = None) -> tuple[
 
 
 def with_checkpoint_model(cfg: Config) -> Config:
-    """The config a run of ``cfg`` trains: with --load, the checkpoint's model merged in as ``run`` does
-    (what --dry-run plans: a resume that omits the model flags plans the checkpoint's model)."""
+    """The config a run of ``cfg`` trains: with --load, the checkpoint's model (and data settings) merged in
+    as ``run`` does (what --dry-run plans: a resume that omits the model flags plans the checkpoint's model)."""
     found = find_checkpoint(cfg)
-    return ckpt_load.merge_config(found[1], cfg)[0] if found else cfg
+    return merge_checkpoint(cfg, found, check_files=False)[0] if found else cfg
+
+
+def merge_checkpoint(cfg: Config, found: tuple[str, dict[str, Any]],
+                     check_files: bool = True) -> tuple[Config, list[str], list[str]]:
+    """``cfg`` with the --load checkpoint's model, data and tokenizer where no flag gives them (before any
+    check reads them); also the model settings it changed and the lines to print after the settings line
+    (a preset's model settings it replaced, a data flag that differs from the checkpoint's)."""
+    merged, taken = ckpt_load.merge_config(found[1], cfg)
+    merged, notes = merge_data(found, merged, check_files)
+    yielded = preset_yield_line(cfg, merged)
+    return merged, taken, [yielded, *notes] if yielded else notes
 
 
 def run(cfg: Config, log_fn=print) -> list[dict]:
     """Train with the world torchrun described; returns the logged records (the main entry point)."""
     found = find_checkpoint(cfg)
     taken: list[str] = []
-    if found:  # the model is the checkpoint's; explicit flags must agree with it (before any check uses it)
-        cfg, taken = ckpt_load.merge_config(found[1], cfg)
+    notes: list[str] = []
+    if found:  # the model, data and tokenizer are the checkpoint's unless typed (before any check uses them)
+        cfg, taken, notes = merge_checkpoint(cfg, found)
     plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())  # before any process group
     idle = _nothing_to_do(cfg, found)
     if idle is not None:  # exit 0: the run this command asks for is done (a requeued job ends here)
         if int(os.environ.get("RANK", "0")) == 0:
             log_fn(idle)
         return []
+    check_data_tokenizer(cfg.data, log_fn if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)  # no group yet
     plan, pstate, say = _start(cfg, log_fn, plan)
     with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
         own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
-        cfg, plan, data = _prepare(cfg, plan, pstate, say, found, taken)
+        cfg, plan, data = _prepare(cfg, plan, pstate, say, found, (taken, notes))
         report_start(cfg, plan, pstate, data, say)  # the resolved config (and config.yaml), data, offload
         rng = dropout_rng(cfg, pstate)  # the model draws from it; checkpoints save and restore it
         chunks = build_model_chunks(cfg, plan, pstate, rng)
@@ -262,8 +279,11 @@ def run(cfg: Config, log_fn=print) -> list[dict]:
 
 
 def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
-             found: tuple[str, dict[str, Any]] | None, taken: list[str]) -> tuple[Config, RunPlan, DataBundle]:
-    """The data, the run's plan (the vocabulary is known once the tokenizer is read) and the seeds."""
+             found: tuple[str, dict[str, Any]] | None,
+             merged: tuple[list[str], list[str]]) -> tuple[Config, RunPlan, DataBundle]:
+    """The data, the run's plan (the vocabulary is known once the tokenizer is read) and the seeds.
+    ``merged``: what ``merge_checkpoint`` changed and its lines."""
+    taken, notes = merged
     cfg, data = _data(cfg, pstate.rank, say, found)
     plan = RunPlan.resolve(cfg, plan.world_size)
     cfg = _resolve_recompute(cfg, plan, pstate, say)  # --recompute auto: before the model is built
@@ -272,7 +292,9 @@ def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
             f"starting from scratch (a restart will resume from its latest checkpoint)")
     if found:
         say(f"megazero: model settings taken from the checkpoint's metadata"
-            f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}")
+            f"{' (' + ', '.join(taken) + ')' if taken else ' (the same as this run)'}; {data_text(cfg)}")
+        for note in notes:
+            say(note)
         if overridden := overrides_line(found[1], cfg):
             say(overridden)
         if documents := document_change_line(found[1], cfg):
@@ -326,11 +348,14 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
         eval_batches = lambda: MicroBatchIterator.from_plan(data.valid, plan, pstate.dp_rank)  # noqa: E731
     log = MetricsLog(cfg.logging.metrics_file, pstate.is_logging_rank, tensorboard_dir=cfg.logging.tensorboard_dir)
     owned.callback(log.close)
+    identity = RunIdentity.agreed(cfg, loaded, pstate)  # a resume continues its checkpoint's run id
+    log.record(identity.start_record(cfg, plan, start))  # marks where this run starts in the metrics file
+    log.print(identity.line())
     for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
         log.record(record)
     wandb = _wandb(cfg, plan, pstate, log)
     owned.callback(wandb.finish)
-    checkpointer = open_checkpointer(cfg, plan, pstate, chunks, optimizer, rng, loaded)
+    checkpointer = open_checkpointer(cfg, plan, pstate, chunks, optimizer, rng, loaded, run_id=identity.run_id)
     owned.callback(checkpointer.close)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate),
                               packing=packing_rule(cfg.data, data.tokenizer.eos_id))

@@ -37,9 +37,10 @@ def _files(folder: str) -> dict[str, bytes]:
 
 
 def _metadata_but_when_and_how(raw: bytes) -> dict:
-    """The metadata but for when it was saved and the flags the two runs differ in."""
+    """The metadata but for when it was saved, by which run, and the flags the two runs differ in."""
     meta = json.loads(raw)
     meta.pop("saved_at")
+    meta.pop("run_id")
     for key in ("async_save", "save", "metrics_file"):
         meta["config"].pop(key)
     return meta

@@ -64,7 +64,11 @@ def test_finetune_trains_like_the_same_weights_imported_from_hf(trained):
     meta = storage.read_metadata(storage.resolve(imported))
     assert meta["iteration"] == 0 and meta["consumed_samples"] == 0 and not meta["optimizer"]["files"]
     flags = ["--train-iters", "3", "--hidden-dropout", "0.1"]  # the checkpoint's streams must not be restored
-    from_hf, _, _ = run(tmp, "from_hf", 1, [*flags, "--load", imported])
+    from megazero.data import default_corpus  # an import records no data: name the corpus the run trained on
+
+    corpus = default_corpus(log=lambda *_: None)
+    from_hf, _, _ = run(tmp, "from_hf", 1, [*flags, "--load", imported, "--data-path", corpus.data_prefix,
+                                            "--tokenizer-model", corpus.tokenizer_model])
     finetuned, _, out = run(tmp, "finetuned", 1, [*flags, "--load", ckpt, "--finetune"])  # saved at tp 2
     assert "megazero: --finetune: only the model weights come from" in out[0].stdout
     assert [r["iteration"] for r in finetuned] == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""THE bucket rule, as one pure function on element counts: the buffers (``buffers.plan_buckets``) cut
+"""THE bucket rule, as one pure function on element counts: the buffers (``layout.plan_buckets``) cut
 their buckets with it, and the memory planner (``memory/grads.py``) predicts the same buckets from the
 parameter counts alone, so what the planner charges is the buffers' real cut.
 

@@ -24,6 +24,7 @@ by its buffer (``ParamGradBuffer``, through ``param_shard_factory``) and closed 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
 
 import torch
 
@@ -33,8 +34,14 @@ from .rank_file import OffloadError, RankFile
 MAX_WRITES_BEHIND = 2  # updated shards queued for the disk at once
 
 
-class _Done:
-    """A fetch that is already complete (the host tier)."""
+class Fetch(Protocol):
+    """A shard on its way to the device: ``result()`` waits for it and is the tensor."""
+
+    def result(self) -> torch.Tensor: ...
+
+
+class Ready:
+    """A fetch that is already complete (the host tier; shards kept on the device)."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
@@ -55,9 +62,9 @@ class HostParamShards:
         if torch.cuda.is_available():
             self.data = self.data.pin_memory()
 
-    def fetch(self, lo: int, n: int) -> _Done:
+    def fetch(self, lo: int, n: int) -> Ready:
         view = self.data[lo: lo + n]
-        return _Done(view if self.device.type == "cpu" else view.to(self.device, non_blocking=True))
+        return Ready(view if self.device.type == "cpu" else view.to(self.device, non_blocking=True))
 
     def read(self, lo: int, n: int) -> torch.Tensor:
         return self.data[lo: lo + n]

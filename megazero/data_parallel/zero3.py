@@ -44,7 +44,8 @@ from ..model.chunk import blocks_of
 from ..model.transformer import TransformerBlock
 from ..parallel import collectives as C
 from ..run_plan import UnitGathering
-from .buffers import Bucket, ParamGradBuffer
+from .buffers import ParamGradBuffer
+from .layout import Bucket
 from .reduction import ReductionGroup
 
 
@@ -152,13 +153,9 @@ class ParameterUnits:
         if unit.state == UnitState.FREED:
             unit.state = UnitState.GATHERING
             deferred = False
-            for buf, b in unit.buckets:
-                if buf.param_store is None:
-                    unit.works.append(C.all_gather_into_tensor(buf.materialize_params(b), buf.param_shard(b),
-                                                               self.groups[buf.expert], async_op=True, phase=phase))
-                else:  # offloaded: the shard comes to the device first (disk: a read overlapping compute)
-                    unit.fetches.append((buf, b, buf.fetch_param_shard(b)))
-                    deferred = deferred or buf.param_store.deferred
+            for buf, b in unit.buckets:  # the shard comes to the device (disk: a read overlapping compute)
+                unit.fetches.append((buf, b, buf.fetch_param_shard(b)))
+                deferred = deferred or buf.fetch_deferred
             if not deferred:
                 self._gather_fetched(unit, phase)
         if wait:

@@ -1,6 +1,6 @@
 """Gradient bytes the ZeRO optimizer holds at its high-water mark in a step.
 
-The persistent gradient storage is what ``data_parallel/buffers.py`` allocates at
+The persistent gradient storage is what ``data_parallel/storage.py`` allocates at
 build time: the full main-grad buffer under ZeRO 0/1, the 1/dp shard under
 ZeRO 2. On top of it, during a step, the optimizer holds (``data_parallel/engine.py``):
 

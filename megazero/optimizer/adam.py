@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..data_parallel.buffers import Segment, merged_runs
+from ..data_parallel.layout import Segment, merged_runs
 
 
 @dataclass

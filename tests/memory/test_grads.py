@@ -9,7 +9,7 @@ from megazero.memory.grads import unit_buckets
 from megazero.memory.params import chunk_param_numels, chunk_param_units
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
-from megazero.data_parallel.buffers import plan_buckets
+from megazero.data_parallel.layout import plan_buckets
 from megazero.data_parallel.engine import MAX_INFLIGHT_BUCKETS
 from megazero.data_parallel.zero3 import plan_units
 from megazero.tensor_parallel.layers import spec_of

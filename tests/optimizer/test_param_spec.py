@@ -6,7 +6,7 @@ from torch import nn
 from megazero.config import ModelConfig
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
-from megazero.data_parallel.buffers import plan_buckets
+from megazero.data_parallel.layout import plan_buckets
 from megazero.optimizer.grads import counts_for_norm
 from megazero.parallel.state import ParallelState
 from megazero.tensor_parallel.layers import spec_of

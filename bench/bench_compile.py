@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,18 +25,13 @@ import tempfile
 
 from bench.harness import ROOT
 from bench.results import add_out_flag, emit, results_header
+from megazero.parallel.state import free_port
 
 MODELS = {"gpt2-small": ["--config", "configs/gpt2-small.yaml"],
           "llama (gpt2-small shape, GQA 4)": ["--config", "configs/gpt2-small.yaml", "--arch", "llama",
                                               "--num-query-groups", "4"]}
 LAYOUTS = {"1 process": (1, []), "tp 2": (2, ["--tp", "2"])}
 COMPILE_LINE = re.compile(r"--compile: compiled (\d+) block\(s\) in ([0-9.]+) s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(model: list[str], nproc: int, layout: list[str], compiled: bool, seq: int, iters: int) -> dict:
@@ -48,7 +42,7 @@ def run(model: list[str], nproc: int, layout: list[str], compiled: bool, seq: in
                  "--train-iters", str(iters), "--log-interval", "1", "--lr-warmup-iters", "1",
                  "--metrics-file", metrics, *(["--compile"] if compiled else [])]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-               str(_free_port()), "pretrain_gpt.py", *flags]
+               str(free_port()), "pretrain_gpt.py", *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one thread per rank: OpenMP barriers stall on a shared box
         out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
         records = [r for r in map(json.loads, open(metrics).read().splitlines()) if "event" not in r]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from bench.common import RESULT_TAG
+from megazero.parallel.state import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,15 +43,9 @@ DP_PEERS = "bench.peers.data_parallel"
 DS = {"DS_ACCELERATOR": "cpu"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(entry: Entry, extra: list[str], timeout: float = 600) -> dict:
     """Run ``entry`` as ``nproc`` ranks; rank 0's result record, or {"error": ...}."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(entry.nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(entry.nproc),

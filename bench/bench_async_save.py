@@ -43,26 +43,25 @@ def _build():
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.parallelize import parallelize
-    from megazero.training.run import build_model_chunks
+    from megazero.training.parallelize import build_training_model
 
     cfg = Config.from_flat({**MODEL, "micro_batch_size": BATCH, "global_batch_size": BATCH, "device": "cpu",
                             "lr": 1e-4, "lr_decay_style": "constant", "seed": 1234})
     plan, pstate = RunPlan.resolve(cfg, 1), ParallelState.serial("cpu")
     seed_everything(1234, 0)
-    chunks = build_model_chunks(cfg, plan, pstate)
-    return cfg, plan, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, build_schedule(plan)
+    return cfg, plan, pstate, build_training_model(cfg, plan, pstate), build_schedule(plan)
 
 
 def _run(mode: str, root: str, saves: int, between: int) -> dict:
     from megazero.checkpoint.async_save import AsyncCheckpointer
     from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 
-    cfg, plan, pstate, chunks, opt, schedule = _build()
+    cfg, plan, pstate, model, schedule = _build()
+    chunks, opt = model.chunks, model.optimizer
     g = torch.Generator().manual_seed(1234)
     data = torch.randint(0, MODEL["vocab_size"], (BATCH, MODEL["seq_length"] + 1), generator=g)
     quiet = lambda *_: None  # noqa: E731
-    ctx = CheckpointContext(root, cfg, plan, pstate, chunks, opt, keep_last=1, log=quiet)
+    ctx = CheckpointContext(root, cfg, plan, pstate, model, keep_last=1, log=quiet)
     saver = AsyncCheckpointer(ctx) if mode == "async" else None
 
     def step() -> float:

@@ -109,8 +109,7 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
     from megazero.training.host_memory import keep_freed_host_memory
-    from megazero.training.parallelize import parallelize
-    from megazero.training.run import build_model_chunks
+    from megazero.training.parallelize import build_training_model
 
     keep_freed_host_memory()  # as the trainer does on CPU
     zero, optimizer, params = TIERS[row]
@@ -125,8 +124,8 @@ def megazero_row(row: str, offload_dir: str, bucket_size: int | None = BUCKET_SI
     pstate = ParallelState.serial("cpu")
     seed_everything(SEED, 0)
     plan = RunPlan.resolve(cfg, 1)
-    chunks = build_model_chunks(cfg, plan, pstate)
-    opt = parallelize(chunks, plan, pstate, cfg).optimizer
+    model = build_training_model(cfg, plan, pstate)
+    chunks, opt = model.chunks, model.optimizer
     schedule = build_schedule(plan)
     count = sum(p.numel() for c in chunks for p in c.parameters())
 

@@ -30,8 +30,7 @@ from megazero.pipeline.schedules import build_schedule, schedule_timeline
 from megazero.pipeline.timeline import bubble_of_step
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.dist import spawn
 
@@ -63,9 +62,9 @@ def make_cfg(pp: int, m: int, vp: int, steps: int) -> Config:
 def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:
     """Train ``train_iters`` steps with the timeline on; this rank's compute spans per step."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
+    model = build_training_model(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
-    trainer = Trainer(cfg, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, schedule,
+    trainer = Trainer(cfg, pstate, model, schedule,
                       Tokens(cfg.training.global_batch_size, cfg.model.seq_length), MetricsLog(None, False))
     for _ in range(cfg.training.train_iters):
         trainer.train_step()

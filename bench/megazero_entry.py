@@ -1,6 +1,6 @@
 """One megazero layout on the benchmark workload: ``--tp/--pp/--zero/--schedule/--vp``, world = tp*pp*dp.
 
-Built from the library's own pieces (``build_model_chunks``, ``parallelize``,
+Built from the library's own pieces (``build_training_model``,
 ``build_schedule``) and driven step by step here, so the loop is the same shape
 as every peer's: zero_grad, schedule over the micro-batches, optimizer step.
 Run with world size 1 it is the single-process reference every row's loss
@@ -66,15 +66,14 @@ def main() -> None:
     from megazero.pipeline.schedules import build_schedule
     from megazero.run_plan import RunPlan
     from megazero.tensor_parallel.random import seed_everything
-    from megazero.training.parallelize import parallelize
-    from megazero.training.run import build_model_chunks
+    from megazero.training.parallelize import build_training_model
 
     cfg = build_config(args, world // (args.tp * args.pp))  # the micro-batch that gives --micro-batches per step
     plan = RunPlan.resolve(cfg, world)
     pstate = ParallelState.build(plan.layout, "cpu") if world > 1 else ParallelState.serial("cpu")
     seed_everything(common.SEED, pstate.pp_rank)
-    chunks = build_model_chunks(cfg, plan, pstate)
-    opt = parallelize(chunks, plan, pstate, cfg).optimizer
+    model = build_training_model(cfg, plan, pstate)
+    chunks, opt = model.chunks, model.optimizer
     schedule = build_schedule(plan)
     data = common.tokens(work.total)
     per_dp = common.GLOBAL_BATCH // pstate.dp

@@ -26,6 +26,7 @@ from .config import Config, ParallelConfig, Placement, require
 from .context_parallel.split import CPSplit
 from .dtypes import DTYPES
 from .parallel.layout import Layout
+from .parallel.state import Degrees
 
 
 class ZeroStage(enum.IntEnum):
@@ -86,7 +87,7 @@ class StatePlacement:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunPlan:
+class RunPlan(Degrees):
     layout: Layout
     virtual_stages: int  # model chunks per pipeline rank (interleaved schedule when > 1)
     zero: ZeroStage
@@ -134,34 +135,6 @@ class RunPlan:
                    placement=_placement(cfg), gathering=_gathering(cfg),
                    grad_reduction=GradReduction.of(ZeroStage(cfg.parallel.zero), cfg.parallel.reduce_every_micro_batch),
                    cp_comm_type=cfg.parallel.cp_comm_type, cp_split=cp_split)
-
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def pp(self) -> int:
-        return self.layout.pp
-
-    @property
-    def dp(self) -> int:
-        return self.layout.dp
-
-    @property
-    def cp(self) -> int:
-        return self.layout.cp
-
-    @property
-    def ep(self) -> int:
-        return self.layout.ep
-
-    @property
-    def etp(self) -> int:
-        return self.layout.expert_tp
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
 
     def layout_record(self) -> dict[str, Any]:
         """The parallel layout as metrics, wandb and checkpoint metadata record it."""

@@ -46,6 +46,7 @@ COMMANDS: dict[str, str] = {
     # README.md
     "make train": _TRAINS,
     "make test": "the whole suite, which this test is part of",
+    "make test-quick": "a part of the suite (the tests that start no process of their own; this one does)",
     "make lint": "CI runs it before the tests (.ci/run)",
     # docs/architecture.md
     ".venv/bin/python tools/compare_step_records.py --help": RUN,

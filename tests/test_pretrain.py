@@ -51,7 +51,37 @@ BAD_INPUT = [
 ]
 
 
+def _refusal_line(nproc: int, flags: list[str]) -> str:
+    """The line pretrain_gpt.py prints for ``flags`` at ``nproc`` ranks, found in-process: each check of BAD_INPUT
+    runs before any process group (``prepare_run``, which ``run`` calls first), so no rank is needed to see it."""
+    import pretrain_gpt
+    from megazero.training.run import prepare_run
+
+    try:
+        cfg, ns = pretrain_gpt._parse([*SMALL, *flags])
+        pretrain_gpt._check_dry_run_flags(ns)
+        prepare_run(cfg, nproc, None, lambda _: None)
+    except pretrain_gpt.UsageError as err:
+        return str(err)
+    except ValueError as err:  # ConfigError too: what main() prints after "pretrain_gpt.py: error: "
+        return f"pretrain_gpt.py: error: {err}"
+    raise AssertionError(f"{flags} at {nproc} rank(s) was not refused before the process groups")
+
+
 @pytest.mark.parametrize("nproc,flags,words", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])
+def test_bad_input_is_refused_in_one_line_before_any_group(nproc, flags, words):
+    line = _refusal_line(nproc, flags)
+    assert "\n" not in line.strip(), line
+    for word in words:
+        assert word in line, f"{word!r} not in {line!r}"
+
+
+# The contract itself, through real ranks: exit 2, one line, no traceback, on every rank (a check that fails on
+# the model's shape, one on the world size, one in argparse).
+LAUNCHED = [BAD_INPUT[0], BAD_INPUT[4], BAD_INPUT[6]]
+
+
+@pytest.mark.parametrize("nproc,flags,words", LAUNCHED, ids=[" ".join(b[1]) for b in LAUNCHED])
 def test_bad_input_fails_fast_with_one_line(nproc, flags, words):
     # the timeout is a hang guard: start-up alone can take a minute on a loaded machine
     results = launch("pretrain_gpt.py", [*SMALL, *flags], nproc, timeout=300)

@@ -214,7 +214,8 @@ def test_the_size_check_measures_defs(tmp_path):
 
 
 # Names many modules use, each defined in and imported from one module only (no re-exports, no copies).
-HOMES = {"Placement": "megazero.config", "DTYPES": "megazero.dtypes", "DTYPE_NAMES": "megazero.dtypes"}
+HOMES = {"Placement": "megazero.config", "DTYPES": "megazero.dtypes", "DTYPE_NAMES": "megazero.dtypes",
+         "free_port": "megazero.parallel.state"}
 
 
 def homeless_names(source: str, module: str, is_package: bool = False) -> list[str]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from torch import nn
-
 from ..config import Config
-from ..optimizer.protocol import ShardedOptimizerState
+from ..optimizer.protocol import ModelState
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from .async_save import AsyncCheckpointer
@@ -81,10 +79,10 @@ class SyncCheckpointer(NullCheckpointer):
         return describe_latest(self.ctx.root)
 
 
-def open_checkpointer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
-                      optimizer: ShardedOptimizerState, tp_rng: Any = None,
+def open_checkpointer(cfg: Config, plan: RunPlan, pstate: ParallelState, model: ModelState, tp_rng: Any = None,
                       loaded: str | None = None, run_id: str | None = None) -> Checkpointer:
-    """This run's saver from its flags (--save, --async-save, --keep-last, --skip-train).
+    """This run's saver of ``model`` (``training/parallelize.TrainingModel``) from its flags (--save,
+    --async-save, --keep-last, --skip-train).
 
     ``loaded``: the checkpoint this run resumed from, which --keep-last never removes; ``run_id``: recorded in
     each checkpoint's metadata, so a resume from it continues the run.
@@ -92,6 +90,6 @@ def open_checkpointer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks:
     ck = cfg.checkpoint
     if not ck.save or ck.skip_train:
         return NullCheckpointer()
-    ctx = CheckpointContext(ck.save, cfg, plan, pstate, chunks, optimizer, tp_rng=tp_rng, keep_last=ck.keep_last,
-                            loaded=loaded, run_id=run_id)
+    ctx = CheckpointContext(ck.save, cfg, plan, pstate, model, tp_rng=tp_rng, keep_last=ck.keep_last, loaded=loaded,
+                            run_id=run_id)
     return AsyncCheckpointer(ctx) if ck.async_save else SyncCheckpointer(ctx)

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..config import Config, ConfigError, ModelConfig, flag
-from ..optimizer.protocol import ShardedOptimizerState
+from ..optimizer.protocol import ModelState, ShardedOptimizerState
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
@@ -221,12 +221,12 @@ def _saved_region(reader: ShardReader, name: str, kind: str, region: Region, pie
     return flat.view(_size(region))
 
 
-def load_optimizer_state(folder: str, meta: dict[str, Any], optimizer: ShardedOptimizerState,
-                         chunks: list[nn.Module], pstate: ParallelState) -> None:
-    """Restore master weights and moments for every piece this rank updates, from any saved layout."""
+def load_optimizer_state(folder: str, meta: dict[str, Any], model: ModelState, pstate: ParallelState) -> None:
+    """Restore ``model``'s master weights and moments for every piece this rank updates, from any saved layout."""
     if not meta["optimizer"]["files"]:
         return  # e.g. converted from HF: fresh Adam state, masters already equal the loaded weights
-    agree(pstate, _load_pieces, folder, meta, optimizer, chunks, pstate)  # before the gathers below
+    optimizer = model.optimizer
+    agree(pstate, _load_pieces, folder, meta, optimizer, model.chunks, pstate)  # before the gathers below
     optimizer.load_state_scalars(meta["optimizer"]["scalars"])
     optimizer.sync_params_from_master()
 

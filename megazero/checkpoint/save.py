@@ -38,7 +38,7 @@ from torch import nn
 
 from ..config import Config
 from ..parallel import collectives as C
-from ..optimizer.protocol import ShardedOptimizerState
+from ..optimizer.protocol import ModelState, ShardedOptimizerState
 from ..parallel.state import ParallelState
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import spec_of
@@ -273,13 +273,20 @@ class CheckpointContext:
     cfg: Config
     plan: RunPlan
     pstate: ParallelState
-    chunks: list[nn.Module]
-    optimizer: ShardedOptimizerState
+    model: ModelState  # this rank's wrapped chunks and their optimizer (``training/parallelize.TrainingModel``)
     tp_rng: Any = None  # the dropout streams (``tensor_parallel.random.DropoutRNG``), saved with the generators
     keep_last: int | None = None  # --keep-last
     loaded: str | None = None  # the folder this run resumed from, which --keep-last never removes
     log: Callable[[str], None] = print  # rank 0's line for each published save
     run_id: str | None = None  # the run's id (training/run_identity.py), recorded so that a resume continues it
+
+    @property
+    def chunks(self) -> list[nn.Module]:
+        return self.model.chunks
+
+    @property
+    def optimizer(self) -> ShardedOptimizerState:
+        return self.model.optimizer
 
 
 def save_checkpoint(ctx: CheckpointContext, iteration: int, consumed_samples: int) -> str:

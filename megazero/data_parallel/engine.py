@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -75,15 +75,27 @@ from ..parallel.collectives import all_reduce_coalesced
 from ..parallel.state import ParallelState
 from ..run_plan import GradReduction, StatePlacement, UnitGathering, ZeroStage
 from ..tensor_parallel.layers import spec_of
-from .buffers import Bucket, ParamGradBuffer
+from .buffers import ParamGradBuffer
 from .host_transfers import HostTransfers, disk_buffer_width
+from .layout import Bucket
 from .param_offload import param_shard_factory
 from .reduction import ReductionGroup, reduction_for
+from .storage import storage_for
 from .zero3 import ParameterUnits, plan_units
 
 # ZeRO 2/3: at most this many reduce-scatters in flight; launching another first waits for the oldest,
 # so the full-size bucket gradients alive during backward are bounded (in flight + the one filling).
 MAX_INFLIGHT_BUCKETS = 2
+
+
+class InFlight(NamedTuple):
+    """One bucket's reduction in flight, until ``GradSyncEngine._retire`` waits for it."""
+
+    buf: ParamGradBuffer
+    bucket: Bucket
+    work: object  # the collective's handle (None: nothing to wait for)
+    partial: torch.Tensor | None  # the slice or partial shard it writes (gradient bytes alive until it retires)
+    final: bool  # reduced for the step's last micro-batch
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,10 +125,12 @@ class GradSyncEngine:
     Each chunk has a buffer of dense parameters, reduced and sharded over dp x cp (``group``), and, when it
     holds mixture-of-experts expert weights (``ParamSpec.expert``), a buffer of those, reduced and sharded
     over the expert-data-parallel group (``groups[True]``, ``ReductionGroup.experts_of``); ``buffers`` lists
-    them all. ``pstate`` gives the device and the replicated-grad groups (TP, embedding). Building it hooks the
-    model, in this order: the per-parameter gradient hooks (into main grads, buckets launch), ZeRO 3's
-    units (gather/free around each unit; their grad hooks run after the buckets'), the gather waits
-    (``overlap_param_gather``). Whatever the engine makes it closes (``close``).
+    them all. Both the buffers' storage (``storage``: replicated, sharded or offloaded parameters, full or
+    sharded gradients; ``storage.storage_for``) and the reduction policy (``reduction.reduction_for``) are
+    picked once here from the stage. ``pstate`` gives the device and the replicated-grad groups (TP,
+    embedding). Building it hooks the model, in this order: the per-parameter gradient hooks (into main
+    grads, buckets launch), ZeRO 3's units (gather/free around each unit; their grad hooks run after the
+    buckets'), the gather waits (``overlap_param_gather``). Whatever the engine makes it closes (``close``).
     """
 
     def __init__(self, modules: list[nn.Module], pstate: ParallelState,
@@ -132,13 +146,12 @@ class GradSyncEngine:
         self.reduction = self.reductions[False]  # the policy's flags, the same for every group
         units = [plan_units(m, gathering.layers_per_unit) for m in modules] if gathering else [None] * len(modules)
         where = settings.placement
-        self.buffers, self.chunk_of = self._build_buffers(
-            modules, units, settings.bucket_size, settings.main_grads_dtype,
-            param_shard_factory(where.parameters, where.offload_path, pstate.rank))
+        self.storage = storage_for(stage, param_shard_factory(where.parameters, where.offload_path, pstate.rank))
+        self.buffers, self.chunk_of = self._build_buffers(modules, units, settings.bucket_size,
+                                                          settings.main_grads_dtype)
         self._sync = True
         self._drain_queued = False  # reducing every micro-batch: an end-of-backward callback will retire them
-        # (buffer, bucket, work, the slice or partial shard it writes, reduced for the step's last micro-batch)
-        self._inflight: list[tuple[ParamGradBuffer, Bucket, object, torch.Tensor | None, bool]] = []
+        self._inflight: list[InFlight] = []
         self._gathers: dict[tuple[int, int], object] = {}
         self.transfers = _host_transfers(self.buffers, pstate.device, settings.placement)
         self.overlap_param_gather = (settings.overlap_param_gather and self.reduction.gathers_after_step
@@ -153,10 +166,11 @@ class GradSyncEngine:
             for i, module in enumerate(modules):
                 self._register_gather_waits(i, module)
 
-    def _build_buffers(self, modules: list[nn.Module], units: list, bucket_size: int, main_grads_dtype: torch.dtype,
-                       param_store: Callable | None) -> tuple[list[ParamGradBuffer], list[int]]:
+    def _build_buffers(self, modules: list[nn.Module], units: list, bucket_size: int,
+                       main_grads_dtype: torch.dtype) -> tuple[list[ParamGradBuffer], list[int]]:
         """Per model chunk, a buffer of its dense parameters and one of its expert weights (if any), each sharded
-        over its reduction group from ZeRO 1 on; returns the buffers and the chunk of each."""
+        over its reduction group from ZeRO 1 on and stored as the run's ``storage`` says; returns the buffers and
+        the chunk of each."""
         sharded = self.stage.shards_optimizer_state
         buffers: list[ParamGradBuffer] = []
         chunk_of: list[int] = []
@@ -173,8 +187,8 @@ class GradSyncEngine:
                     buffers.append(ParamGradBuffer(
                         mine, bucket_size=bucket_size, num_shards=group.size if sharded else 1,
                         shard_rank=group.rank if sharded else 0, param_dtype=next(iter(dtypes)),
-                        grad_dtype=main_grads_dtype, stage=self.stage, device=self.pstate.device,
-                        unit_of=unit_of, param_store=param_store, expert=expert))
+                        grad_dtype=main_grads_dtype, storage=self.storage, device=self.pstate.device,
+                        unit_of=unit_of, expert=expert))
                     chunk_of.append(index)
         except BaseException:  # the parameter-shard files of the buffers made so far go now
             for buf in buffers:
@@ -190,7 +204,7 @@ class GradSyncEngine:
     def inflight_partials(self) -> list[torch.Tensor]:
         """The slices or partial shards the reductions in flight write into: gradient bytes alive until they
         retire (what a measurement of a step's gradient memory counts)."""
-        return [entry[3] for entry in self._inflight if entry[3] is not None]
+        return [entry.partial for entry in self._inflight if entry.partial is not None]
 
     def close(self) -> None:
         """Release what the buffers made (``--offload-params``: the parameter-shard stores)."""
@@ -282,7 +296,7 @@ class GradSyncEngine:
         grad_b = buf.bucket_grad(b)
         b.launched = True
         work, partial = self.reductions[buf.expert].launch(buf.grad_shard(b), grad_b)
-        self._inflight.append((buf, b, work, partial, self._sync))
+        self._inflight.append(InFlight(buf, b, work, partial, self._sync))
         self._reap(block=False)
         while self.reduction.bounded and len(self._inflight) > MAX_INFLIGHT_BUCKETS:
             self._retire(*self._inflight.pop(0))  # bound the full-size bucket gradients alive at once
@@ -297,7 +311,7 @@ class GradSyncEngine:
         """Retire finished reductions; ZeRO 2 frees their full-size bucket gradients."""
         pending = []
         for entry in self._inflight:
-            work = entry[2]
+            work = entry.work
             if work is None or block or work.is_completed():
                 self._retire(*entry)
             else:

@@ -22,6 +22,7 @@ from ..config import Placement
 from ..model.gpt import count_parameters
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
+from .protocol import ModelState
 from .zero import DistributedOptimizer
 
 
@@ -64,12 +65,14 @@ def counted_parameters(chunks: list[nn.Module], pstate: ParallelState) -> int:
     return int(total.item())
 
 
-def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: ParallelState) -> dict[str, Any]:
-    """The ``"event": "memory"`` metrics record of this rank."""
+def memory_record(model: ModelState, pstate: ParallelState) -> dict[str, Any]:
+    """The ``"event": "memory"`` metrics record of this rank, read from ``model``'s ZeRO optimizer."""
+    opt = model.optimizer
+    assert isinstance(opt, DistributedOptimizer), "memory records read the ZeRO optimizer's storage"
     buf = opt.buffers[0]
     return {
         "event": "memory", "rank": pstate.rank, **measured_state_bytes(opt),
-        "num_parameters": counted_parameters(chunks, pstate),
+        "num_parameters": counted_parameters(model.chunks, pstate),
         "local_parameters": sum(p.numel() for b in opt.buffers for p in b.params),
         "layout": {"tp": pstate.tp, "cp": pstate.cp, "pp": pstate.pp, "dp": pstate.dp, "zero": int(opt.zero),
                    "param_dtype": str(buf.param_dtype).replace("torch.", ""),
@@ -78,6 +81,7 @@ def memory_record(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: Pa
     }
 
 
-def memory_records(opt: DistributedOptimizer, chunks: list[nn.Module], pstate: ParallelState) -> list[dict]:
-    """Every rank's memory record, gathered so the logging rank can write them all (call on all ranks)."""
-    return C.all_gather_object(memory_record(opt, chunks, pstate), pstate.world_group)
+def memory_records(model: ModelState, pstate: ParallelState) -> list[dict]:
+    """Every rank's memory record of ``model`` (``training/parallelize.TrainingModel``), gathered so the logging
+    rank can write them all (call on all ranks)."""
+    return C.all_gather_object(memory_record(model, pstate), pstate.world_group)

@@ -7,6 +7,9 @@ holds (and put loaded master weights back into the parameters) can be saved and 
 
 ``TrainingOptimizer``: the training loop (``training/trainer.py``) - zero the grads, accumulate
 without communication, step.
+
+``ModelState``: the wrapped chunks with their optimizer as one value (``training/parallelize.TrainingModel``),
+what checkpoints and the memory records take.
 """
 from __future__ import annotations
 
@@ -66,4 +69,16 @@ class TrainingOptimizer(Protocol):
 
     def step(self, lr: float) -> Any:
         """Reduce, clip and update, or skip; returns the step's ``StepResult``."""
+        ...
+
+
+class ModelState(Protocol):
+    """This rank's wrapped chunks and the optimizer whose shards hold their state."""
+
+    @property
+    def chunks(self) -> list[nn.Module]:
+        ...
+
+    @property
+    def optimizer(self) -> ShardedOptimizerState:
         ...

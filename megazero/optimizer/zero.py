@@ -27,7 +27,8 @@ from ..config import OptimizerConfig, Placement
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import StatePlacement
-from ..data_parallel.buffers import Bucket, ParamGradBuffer, merged_runs
+from ..data_parallel.buffers import ParamGradBuffer
+from ..data_parallel.layout import Bucket, merged_runs
 from ..data_parallel.engine import GradSyncEngine
 from ..data_parallel.host_transfers import HostTransfers
 from ..data_parallel.rank_file import OffloadError

@@ -33,8 +33,51 @@ def group_rank(group: Group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+class Degrees:
+    """The parallel degrees of what holds a ``layout`` (``ParallelState``, ``RunPlan``): one spelling, as in
+    ``Layout`` and the config (``tp``, ``dp``, ``pp``, ``cp``, ``ep``, ``etp``), written once."""
+
+    layout: Layout
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp_cp(self) -> int:
+        return self.layout.dp * self.layout.cp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp(self) -> int:
+        return self.layout.expert_tp
+
+    @property
+    def edp(self) -> int:
+        return self.layout.expert.edp
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
+
+
 @dataclass
-class ParallelState:
+class ParallelState(Degrees):
     layout: Layout
     rank: int
     coords: Coords
@@ -129,43 +172,10 @@ class ParallelState:
         """This rank's index in the dp x cp group (its ZeRO shard)."""
         return self.coords.cp + self.cp * self.coords.dp
 
-    # -- the degrees: one spelling, as in Layout, RunPlan and the config (``tp``, ``dp``, ``pp``) --------
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def dp(self) -> int:
-        return self.layout.dp
-
-    @property
-    def pp(self) -> int:
-        return self.layout.pp
-
-    @property
-    def cp(self) -> int:
-        return self.layout.cp
-
-    @property
-    def dp_cp(self) -> int:
-        return self.layout.dp * self.layout.cp
-
-    # -- the expert grid (etp x ep x edp x pp over the same ranks) ------------------------------------
+    # -- the expert grid (etp x ep x edp x pp over the same ranks; its degrees: ``Degrees``) ----------
     @property
     def expert_coords(self) -> ExpertCoords:
         return self.layout.expert.coords(self.rank)
-
-    @property
-    def ep(self) -> int:
-        return self.layout.ep
-
-    @property
-    def etp(self) -> int:
-        return self.layout.expert_tp
-
-    @property
-    def edp(self) -> int:
-        return self.layout.expert.edp
 
     @property
     def ep_rank(self) -> int:
@@ -238,7 +248,7 @@ def init_distributed(device: torch.device, timeout: timedelta | None = None) -> 
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
+        os.environ["MASTER_PORT"] = str(free_port())
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -299,7 +309,8 @@ def _own_address(master_addr: str, master_port: int) -> str:
         return conn.getsockname()[0]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now: the OS picks it (bind to 0), so parallel worlds do not collide."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

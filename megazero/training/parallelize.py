@@ -1,16 +1,20 @@
-"""The one place plain model chunks become the training model, in a stated order.
+"""The one place the training model is built: plain chunks, the --load weights, then the wrap, in a stated order.
 
-Each step below writes fields the model reads (``TransformerBlock.recompute``, ``compiled_body``,
-``zero3_unit``) or installs hooks the engine owns; ``print(model)`` shows every one of them. A new
+``build_training_model`` is what every run, test harness and bench script calls. Each step of the wrap below
+writes fields the model reads (``TransformerBlock.recompute``, ``compiled_body``, ``zero3_unit``) or installs
+hooks the engine owns; ``print(model)`` shows every one of them (rank 0 prints it at start-up). A new
 capability that wraps the model adds a step here, with the constraint that orders it.
 """
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from ..checkpoint.load import load_model_weights
 from ..config import Config
 from ..data_parallel.engine import EngineSettings, GradSyncEngine
 from ..model.aux_loss import AuxLossScaling
@@ -20,24 +24,68 @@ from ..model.recompute import apply_recompute
 from ..optimizer.scaler import DynamicLossScaler
 from ..optimizer.zero import DistributedOptimizer
 from ..parallel.state import ParallelState
+from ..pipeline.p2p import verify_stage_shapes
+from ..pipeline.partition import build_chunks
 from ..run_plan import RunPlan
+from ..tensor_parallel.random import DropoutRNG
+
+Weights = tuple[str, dict[str, Any]]  # a checkpoint folder and its metadata (``run.find_checkpoint``)
 
 
 @dataclass(frozen=True)
 class TrainingModel:
-    """This rank's wrapped chunks and the optimizer that steps the engine they are hooked into."""
+    """This rank's wrapped chunks, the gradient-sync engine they are hooked into, the optimizer that steps it and
+    the fp16 loss scaler (None otherwise): what the trainer, the checkpointer and the memory records take."""
 
     chunks: list[nn.Module]
+    engine: GradSyncEngine
     optimizer: DistributedOptimizer
+    scaler: DynamicLossScaler | None
+
+    def close(self) -> None:
+        """Release the offload stores (the optimizer's, and the engine's through it) on every exit path."""
+        self.optimizer.close()
 
     def __repr__(self) -> str:
-        sync = self.optimizer.sync
-        buckets = sum(len(buf.buckets) for buf in sync.buffers)
-        scale = "dynamic loss scale" if self.optimizer.scaler is not None else "no loss scale"
-        head = (f"TrainingModel(zero {int(sync.stage)}, {buckets} bucket(s), "
-                f"{'every micro-batch' if sync.reduction.every_micro_batch else 'once per step'}, "
-                f"{scale}{', overlapped param gather' if sync.overlap_param_gather else ''})")
+        engine = self.engine
+        buckets = sum(len(buf.buckets) for buf in engine.buffers)
+        scale = "dynamic loss scale" if self.scaler is not None else "no loss scale"
+        head = (f"TrainingModel(zero {int(engine.stage)}, {buckets} bucket(s), "
+                f"{'every micro-batch' if engine.reduction.every_micro_batch else 'once per step'}, "
+                f"{scale}{', overlapped param gather' if engine.overlap_param_gather else ''})")
         return "\n".join([head, *(f"chunk {i}: {chunk!r}" for i, chunk in enumerate(self.chunks))])
+
+
+def build_training_model(cfg: Config, plan: RunPlan, pstate: ParallelState, rng: DropoutRNG | None = None,
+                         weights: Weights | None = None,
+                         load_timer: AbstractContextManager[Any] | None = None) -> TrainingModel:
+    """This rank's training model: the plain chunks, ``weights`` (the --load checkpoint) loaded into them, wrapped.
+
+    The load comes between the build and the wrap: the optimizer's fp32 master copy is taken from the weights
+    the chunks hold when it is built (and ZeRO 3 shards the full-size parameters then). ``rng``: the run's
+    dropout streams; ``load_timer``: entered around the load alone (``startup_report.LoadTimer``).
+    """
+    chunks = build_model_chunks(cfg, plan, pstate, rng)
+    if weights is not None:
+        with load_timer or nullcontext():
+            load_model_weights(weights[0], weights[1], chunks, pstate)
+    return parallelize(chunks, plan, pstate, cfg)
+
+
+def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
+                       rng: DropoutRNG | None = None) -> list[nn.Module]:
+    """This rank's model chunk(s), initialised as slices of the seeded full model, in the compute dtype.
+
+    ``rng``: the run's dropout streams (``dropout_rng``), which the saver and the loader get too.
+
+    ``build_chunks`` draws the initial values in fp32 and casts them into compute-dtype storage; they
+    reach the optimizer's fp32 master copy only through this cast (as Megatron). Also checks, with one
+    all-gather over the pipeline group, that every stage expects the same activation shape and dtype
+    (a mismatch raises on every rank before any send). Plain chunks: ``parallelize`` wraps them for training.
+    """
+    chunks = build_chunks(cfg, plan, pstate, rng)
+    verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
+    return chunks
 
 
 def engine_settings(cfg: Config, plan: RunPlan) -> EngineSettings:
@@ -76,4 +124,5 @@ def parallelize(chunks: list[nn.Module], plan: RunPlan, pstate: ParallelState, c
     # 5. MoE auxiliary losses: each chunk's routers scale them as its LM loss is scaled (model/aux_loss.py),
     #    the fp16 scale included, so this follows step 4
     AuxLossScaling(plan.micro_batches, pstate.cp, lambda: 1.0 if scaler is None else scaler.scale).attach(chunks)
-    return TrainingModel(chunks, DistributedOptimizer(sync, cfg.optimizer, scaler))  # closes the engine if it fails
+    optimizer = DistributedOptimizer(sync, cfg.optimizer, scaler)  # closes the engine if it fails
+    return TrainingModel(chunks, sync, optimizer, scaler)

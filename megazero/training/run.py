@@ -1,19 +1,19 @@
-"""Build a run from a Config: groups, data, model chunks, optimizer, schedule, trainer.
+"""Build a run from a Config: groups, data, the training model (``build_training_model``), schedule, trainer.
 
 Validation that needs no communication (flags, world size, batch arithmetic,
-a --load folder's metadata) happens before any process group exists, so bad
+a --load folder's metadata) happens before any process group exists (``prepare_run``), so bad
 input fails the same way on every rank and nothing can hang.
 """
 from __future__ import annotations
 
 import os
 from contextlib import ExitStack
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..checkpoint import load as ckpt_load
 from ..checkpoint import storage
@@ -32,8 +32,7 @@ from ..optimizer.accounting import memory_records
 from ..parallel.layout import check_tp_inside_nodes, contiguous_nodes, describe_nodes
 from ..parallel.state import (ParallelState, default_device, gather_nodes, init_distributed,
                               ranks_per_node_from_env, world_size_from_env)
-from ..pipeline.p2p import verify_stage_shapes
-from ..pipeline.partition import build_chunks, dropout_rng
+from ..pipeline.partition import dropout_rng
 from ..pipeline.schedules import build_schedule, schedule_timeline
 from ..run_plan import RunPlan
 from ..tensor_parallel.random import DropoutRNG, seed_everything
@@ -41,10 +40,10 @@ from .device_setup import apply_determinism, prepare_cuda_env
 from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .ownership import own_folders
-from .parallelize import parallelize
+from .parallelize import TrainingModel, Weights, build_training_model
 from .preflight import check_output_paths
 from .run_identity import RunIdentity
-from .startup_report import LoadTimer, report_start
+from .startup_report import LoadTimer, report_model, report_start
 from .trainer import Trainer
 from .wandb_log import NullWandb, WandbRun, open_wandb
 
@@ -92,22 +91,6 @@ def _check_load_flags(cfg: Config) -> None:
         raise ConfigError("--skip-train with --eval-iters 0 evaluates no batch; pass --eval-iters >= 1.")
 
 
-def build_model_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
-                       rng: DropoutRNG | None = None) -> list[nn.Module]:
-    """This rank's model chunk(s), initialised as slices of the seeded full model, in the compute dtype.
-
-    ``rng``: the run's dropout streams (``dropout_rng``), which the saver and the loader get too.
-
-    ``build_chunks`` draws the initial values in fp32 and casts them into compute-dtype storage; they
-    reach the optimizer's fp32 master copy only through this cast (as Megatron). Also checks, with one
-    all-gather over the pipeline group, that every stage expects the same activation shape and dtype
-    (a mismatch raises on every rank before any send). Plain chunks: ``parallelize`` wraps them for training.
-    """
-    chunks = build_chunks(cfg, plan, pstate, rng)
-    verify_stage_shapes(pstate, plan.stage_shape, next(chunks[0].parameters()).dtype)
-    return chunks
-
-
 def _data(cfg: Config, rank: int, say: Callable,
           found: tuple[str, dict[str, Any]] | None = None) -> tuple[Config, DataBundle]:
     """The datasets, sized for this run, and the config with the tokenizer's vocabulary when none was given.
@@ -139,8 +122,8 @@ def _data(cfg: Config, rank: int, say: Callable,
     return cfg, data
 
 
-def _resume(found, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module],
-            optimizer: Any, rng: DropoutRNG, say: Callable) -> tuple[int, int]:
+def _resume(found: Weights, cfg: Config, plan: RunPlan, pstate: ParallelState, model: TrainingModel,
+            rng: DropoutRNG, say: Callable) -> tuple[int, int]:
     """Load what the flags keep of the checkpoint besides its weights (loaded before the optimizer was built):
     optimizer state and generators; returns the (iteration, consumed samples) the run starts from."""
     folder, meta = found
@@ -153,7 +136,7 @@ def _resume(found, cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: li
     if ck.skip_train:  # evaluation reads the weights alone
         return iteration, consumed
     if ck.load_optim:
-        ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+        ckpt_load.load_optimizer_state(folder, meta, model, pstate)
     else:
         say(f"megazero: --no-load-optim: the optimizer starts fresh at iteration {iteration} (fp32 master weights "
             f"from the loaded weights, zero Adam moments, the initial loss scale)")
@@ -234,48 +217,81 @@ def merge_checkpoint(cfg: Config, found: tuple[str, dict[str, Any]],
     return merged, taken, [yielded, *notes] if yielded else notes
 
 
-def run(cfg: Config, log_fn=print) -> list[dict]:
-    """Train with the world torchrun described; returns the logged records (the main entry point)."""
+@dataclass(frozen=True)
+class PreparedRun:
+    """What the checks before any process group leave: the config with the --load checkpoint's model, data and
+    tokenizer merged in, the validated plan, the checkpoint (None: a fresh start) and what the merge changed
+    (the model settings taken, the lines to print after the settings line)."""
+
+    cfg: Config
+    plan: RunPlan
+    found: Weights | None
+    taken: list[str]
+    notes: list[str]
+
+
+def prepare_run(cfg: Config, world_size: int, ranks_per_node: int | None,
+                log: Callable[[str], None]) -> PreparedRun | None:
+    """Every check of a run before its process groups: find the checkpoint, merge it, validate, nothing to do,
+    the data's tokenizer. Raises ConfigError/ValueError on bad input; None when there is nothing to do (its
+    line goes to ``log``, rank 0's printer: the run this command asks for is done, exit 0)."""
     found = find_checkpoint(cfg)
     taken: list[str] = []
     notes: list[str] = []
     if found:  # the model, data and tokenizer are the checkpoint's unless typed (before any check uses them)
         cfg, taken, notes = merge_checkpoint(cfg, found)
-    plan = validate(cfg, world_size_from_env(), ranks_per_node_from_env())  # before any process group
+    plan = validate(cfg, world_size, ranks_per_node)
     idle = _nothing_to_do(cfg, found)
-    if idle is not None:  # exit 0: the run this command asks for is done (a requeued job ends here)
-        if int(os.environ.get("RANK", "0")) == 0:
-            log_fn(idle)
+    if idle is not None:  # a requeued job ends here
+        log(idle)
+        return None
+    check_data_tokenizer(cfg.data, log)
+    return PreparedRun(cfg, plan, found, taken, notes)
+
+
+def run(cfg: Config, log_fn=print) -> list[dict]:
+    """Train with the world torchrun described; returns the logged records (the main entry point)."""
+    first_rank = int(os.environ.get("RANK", "0")) == 0  # no group yet
+    prepared = prepare_run(cfg, world_size_from_env(), ranks_per_node_from_env(),
+                           log_fn if first_rank else lambda _: None)
+    if prepared is None:
         return []
-    check_data_tokenizer(cfg.data, log_fn if int(os.environ.get("RANK", "0")) == 0 else lambda _: None)  # no group yet
-    plan, pstate, say = _start(cfg, log_fn, plan)
+    cfg, found = prepared.cfg, prepared.found
+    plan, pstate, say = _start(cfg, log_fn, prepared.plan)
     with ExitStack() as owned:  # every exit from here closes what the run made and releases its folders
         own_folders(cfg, owned)  # --save and --offload-path: one job at a time (ownership.py)
-        cfg, plan, data = _prepare(cfg, plan, pstate, say, found, (taken, notes))
+        cfg, plan, data = _prepare(cfg, plan, pstate, say, found, (prepared.taken, prepared.notes))
         report_start(cfg, plan, pstate, data, say)  # the resolved config (and config.yaml), data, offload
         rng = dropout_rng(cfg, pstate)  # the model draws from it; checkpoints save and restore it
-        chunks = build_model_chunks(cfg, plan, pstate, rng)
-        load_timer = LoadTimer()
-        if found:
-            say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
-            with load_timer:
-                ckpt_load.load_model_weights(found[0], found[1], chunks, pstate)
-        optimizer = parallelize(chunks, plan, pstate, cfg).optimizer  # recompute, compile, DP engine, loss scale
-        owned.callback(optimizer.close)  # --offload-* disk: this rank's files go, on every exit path
-        if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
-            keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
-        with load_timer:
-            start, consumed = _resume(found, cfg, plan, pstate, chunks, optimizer, rng, say) if found else (0, 0)
-        if found:
-            say(load_timer.line(found[0]))
+        model, start, consumed = _model(cfg, plan, pstate, rng, found, owned, say)
+        report_model(model, say)
         loaded = found[0] if found else None
-        first_step = [compile_report(sum(len(blocks_of(c)) for c in chunks), say)] if cfg.training.compile else []
-        trainer = _trainer(cfg, plan, pstate, chunks, optimizer, rng, data, start, consumed, owned, loaded, first_step)
+        first_step = [compile_report(sum(len(blocks_of(c)) for c in model.chunks), say)] if cfg.training.compile else []
+        trainer = _trainer(cfg, plan, pstate, model, rng, data, start, consumed, owned, loaded, first_step)
         if cfg.checkpoint.skip_train:
             say(f"megazero: --skip-train: evaluating {found[0]} at iteration {start} on --eval-iters "
                 f"{cfg.training.eval_iters} batches of the validation split; nothing is trained or saved")
             return [trainer.evaluate()]
         return trainer.train()
+
+
+def _model(cfg: Config, plan: RunPlan, pstate: ParallelState, rng: DropoutRNG, found: Weights | None,
+           owned: ExitStack, say: Callable) -> tuple[TrainingModel, int, int]:
+    """The training model (the --load weights in it; it closes with ``owned``) and, from the checkpoint, the
+    optimizer state and generators: returns it with the (iteration, consumed samples) the run starts from."""
+    load_timer = LoadTimer()
+    if found:
+        say(f"megazero: loading checkpoint {found[0]} (iteration {found[1]['iteration']})")
+    model = build_training_model(cfg, plan, pstate, rng, found, load_timer)  # recompute, compile, DP engine, ...
+    owned.callback(model.close)  # --offload-* disk: this rank's files go, on every exit path
+    if pstate.device.type == "cpu" and not plan.zero.shards_parameters:  # after the build, whose freed copies
+        keep_freed_host_memory()  # of the model go back to the kernel; ZeRO 3: see host_memory.py
+    if not found:
+        return model, 0, 0
+    with load_timer:
+        start, consumed = _resume(found, cfg, plan, pstate, model, rng, say)
+    say(load_timer.line(found[0]))
+    return model, start, consumed
 
 
 def _prepare(cfg: Config, plan: RunPlan, pstate: ParallelState, say: Callable,
@@ -337,9 +353,9 @@ def _resolve_recompute(cfg: Config, plan: RunPlan, pstate: ParallelState, say: C
     return cfg
 
 
-def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.Module], optimizer: Any,
-             rng: DropoutRNG, data: DataBundle, start: int, consumed: int, owned: ExitStack,
-             loaded: str | None, on_first_step: list[Callable[[], None]]) -> Trainer:
+def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, model: TrainingModel, rng: DropoutRNG,
+             data: DataBundle, start: int, consumed: int, owned: ExitStack, loaded: str | None,
+             on_first_step: list[Callable[[], None]]) -> Trainer:
     """The loop over this run's batches; the metrics file, wandb and the checkpointer close with ``owned``
     (an error exit lets a pending --async-save's writer end and publishes nothing)."""
     batches = MicroBatchIterator.from_plan(data.train, plan, pstate.dp_rank, consumed_samples=consumed)
@@ -351,14 +367,14 @@ def _trainer(cfg: Config, plan: RunPlan, pstate: ParallelState, chunks: list[nn.
     identity = RunIdentity.agreed(cfg, loaded, pstate)  # a resume continues its checkpoint's run id
     log.record(identity.start_record(cfg, plan, start))  # marks where this run starts in the metrics file
     log.print(identity.line())
-    for record in memory_records(optimizer, chunks, pstate):  # model-state bytes of every rank
+    for record in memory_records(model, pstate):  # model-state bytes of every rank
         log.record(record)
     wandb = _wandb(cfg, plan, pstate, log)
     owned.callback(wandb.finish)
-    checkpointer = open_checkpointer(cfg, plan, pstate, chunks, optimizer, rng, loaded, run_id=identity.run_id)
+    checkpointer = open_checkpointer(cfg, plan, pstate, model, rng, loaded, run_id=identity.run_id)
     owned.callback(checkpointer.close)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate),
                               packing=packing_rule(cfg.data, data.tokenizer.eos_id))
-    return Trainer(cfg, pstate, chunks, optimizer, schedule, batches, log,
+    return Trainer(cfg, pstate, model, schedule, batches, log,
                    start_iteration=start, eval_batches=eval_batches, checkpointer=checkpointer, wandb=wandb,
                    on_first_step=on_first_step)

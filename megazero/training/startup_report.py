@@ -120,6 +120,12 @@ def report_start(cfg: Config, plan: RunPlan, pstate: ParallelState, data: DataBu
               f"not written there", flush=True)
 
 
+def report_model(model: Any, say: Callable[[str], None]) -> None:
+    """Rank 0's training model as ``print(model)`` shows it: the engine's settings, then each chunk with what the
+    wrap applied to every block (recompute, compile, ZeRO 3 unit; ``training/parallelize.py``)."""
+    say(f"megazero: the training model of rank 0: {model!r}")
+
+
 class LoadTimer:
     """``with`` it around each part of reading a checkpoint (the weights, later the optimizer state and
     generators); ``line`` reports the folder, its size on disk and the seconds, in one line."""

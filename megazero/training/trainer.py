@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Sequence
 
-from torch import nn
-
 from ..checkpoint.checkpointer import Checkpointer, NullCheckpointer
 from ..config import Config
 from ..data.sampler import to_device
@@ -29,6 +27,7 @@ from .evaluate import evaluate
 from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
 from .moe_step import moe_step
+from .parallelize import TrainingModel
 from .progress import Progress, summary
 from .stop_signal import StopSignal
 from .step_record import StepRecorder
@@ -43,16 +42,17 @@ class AgreedStop(ValueError):
 
 
 class Trainer:
-    """The loop over one run's steps. Its optional parts are objects that may do nothing: ``checkpointer``
-    (``NullCheckpointer``: no --save), ``wandb`` (``NullWandb``), ``on_first_step`` (callbacks run once,
-    after this run's first step: the --compile report)."""
+    """The loop over one run's steps of ``model`` (``build_training_model``). Its optional parts are objects that
+    may do nothing: ``checkpointer`` (``NullCheckpointer``: no --save), ``wandb`` (``NullWandb``),
+    ``on_first_step`` (callbacks run once, after this run's first step: the --compile report)."""
 
-    def __init__(self, cfg: Config, pstate: ParallelState, chunks: list[nn.Module], optimizer: TrainingOptimizer,
-                 schedule: Schedule, batches: Any, log: MetricsLog, *, start_iteration: int = 0,
-                 eval_batches: Callable[[], Any] | None = None, checkpointer: Checkpointer = NO_CHECKPOINTS,
-                 wandb: WandbRun | NullWandb = NO_WANDB, on_first_step: Sequence[Callable[[], None]] = ()) -> None:
-        self.cfg, self.pstate, self.chunks = cfg, pstate, chunks
-        self.optimizer, self.schedule, self.batches, self.log = optimizer, schedule, batches, log
+    def __init__(self, cfg: Config, pstate: ParallelState, model: TrainingModel, schedule: Schedule, batches: Any,
+                 log: MetricsLog, *, start_iteration: int = 0, eval_batches: Callable[[], Any] | None = None,
+                 checkpointer: Checkpointer = NO_CHECKPOINTS, wandb: WandbRun | NullWandb = NO_WANDB,
+                 on_first_step: Sequence[Callable[[], None]] = ()) -> None:
+        self.cfg, self.pstate, self.model, self.chunks = cfg, pstate, model, model.chunks
+        self.optimizer: TrainingOptimizer = model.optimizer
+        self.schedule, self.batches, self.log = schedule, batches, log
         self.eval_batches, self.checkpointer, self.wandb = eval_batches, checkpointer, wandb
         self.on_first_step = on_first_step
         # evaluation is decided once: every --eval-interval when the run has a validation split
@@ -69,7 +69,7 @@ class Trainer:
         ring = (group_rank(pstate.cp_ring_group), group_size(pstate.cp_ring_group))
         self.ring = ring if ring[1] > 1 else None  # under a ring, this rank counts its own queries' pairs
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
-        self.moe = moe_step(cfg.model, pstate, chunks)  # expert bias updates, balance records; null when dense
+        self.moe = moe_step(cfg.model, pstate, self.chunks)  # expert bias updates, balance records; null when dense
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
         pstate.ledger.timing = cfg.logging.log_timers
 

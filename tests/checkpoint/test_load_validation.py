@@ -20,30 +20,23 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.load import load_model_weights, load_optimizer_state
+from megazero.checkpoint.load import load_optimizer_state
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
-from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
-from megazero.optimizer.zero import DistributedOptimizer
-from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
-from tests.helpers.serial_ckpt import build
+from tests.helpers.serial_ckpt import build, plan_of
 
 
 def _save(pstate, root: str) -> None:
-    cfg, _, chunks, _ = build()
-    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
-    save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
-                                      optimizer), 3, 24)
+    cfg, _, model = build(pstate=pstate, zero=1)
+    save_checkpoint(CheckpointContext(root, cfg, plan_of(cfg, pstate), pstate, model), 3, 24)
 
 
 def _load(pstate, root: str) -> str:
-    cfg, _, chunks, _ = build()
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
     try:
-        load_model_weights(folder, meta, chunks, pstate)
-        optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
-        load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+        _, _, model = build(pstate=pstate, zero=1, weights=(folder, meta))
+        load_optimizer_state(folder, meta, model, pstate)
     except ValueError as err:
         return str(err)
     return "loaded"

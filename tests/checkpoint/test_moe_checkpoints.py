@@ -36,7 +36,7 @@ from megazero.checkpoint import storage
 from megazero.config import ConfigError
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers import serial_ckpt
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn

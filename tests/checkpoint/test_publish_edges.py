@@ -14,11 +14,8 @@ import torch
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
-from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
-from megazero.optimizer.zero import DistributedOptimizer
-from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
-from tests.helpers.serial_ckpt import build, load, save
+from tests.helpers.serial_ckpt import build, load, plan_of, save
 
 
 def _fail_rename_at(monkeypatch, call: int) -> None:
@@ -55,19 +52,16 @@ def test_resaving_an_iteration_survives_a_crash_between_renames(tmp_path, monkey
 
 def _save_with_nan(pstate, root: str, where: str, bad_rank: int) -> str:
     """One rank puts a NaN into the model weights or an inf into the Adam moments it writes; all save."""
-    cfg, _, chunks, _ = build()
-    # each DP rank writes its shard
-    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
+    cfg, _, model = build(pstate=pstate, zero=1)  # each DP rank writes its shard
     if pstate.rank == bad_rank:
         with torch.no_grad():
             if where == "model":  # DP rank 0 writes the model weights
-                next(chunks[0].parameters())[0] = float("nan")
+                next(model.chunks[0].parameters())[0] = float("nan")
             else:
-                _, _, views = next(iter(optimizer.state_segments()))
+                _, _, views = next(iter(model.optimizer.state_segments()))
                 views["exp_avg_sq"][0] = float("inf")
     try:
-        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
-                                          optimizer), 7, 0)
+        save_checkpoint(CheckpointContext(root, cfg, plan_of(cfg, pstate), pstate, model), 7, 0)
     except ValueError as err:
         return str(err)
     return "saved"

@@ -16,7 +16,8 @@ import time
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 from tests.helpers.reference import full_logits
 
 SMALL = ["--arch", "gpt2", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -103,7 +104,7 @@ def test_converted_checkpoint_matches_megazero_logits(reference, tmp_path):
 
 
 def test_sigterm_saves_the_current_iteration(tmp_path):
-    port, procs = str(_free_port()), []
+    port, procs = str(free_port()), []
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR":

@@ -35,11 +35,11 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
 def test_keep_last(tmp_path):
     root = str(tmp_path / "ckpt")
     for it in (1, 2, 3):
-        cfg, pstate, chunks, optimizer = build()
+        cfg, pstate, model = build()
         from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 
-        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
-                                          optimizer, keep_last=2), it, 0)
+        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, model,
+                                          keep_last=2), it, 0)
     assert sorted(os.listdir(root)) == ["iter_0000002", "iter_0000003", "latest"]
 
 

@@ -17,26 +17,20 @@ import pytest
 
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
-from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
-from megazero.optimizer.zero import DistributedOptimizer
-from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
-from tests.helpers.serial_ckpt import build, save
+from tests.helpers.serial_ckpt import build, plan_of, save
 
 LIMIT = 20_000  # bytes: above the RNG file, below an optimizer shard of the tiny model
 
 
 def _save_on_a_full_disk(pstate, root: str, full_rank: int) -> tuple[str, int | None, str | None]:
-    cfg, _, chunks, _ = build()
-    # each rank writes its shard
-    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=1)), cfg.optimizer)
+    cfg, _, model = build(pstate=pstate, zero=1)  # each rank writes its shard
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     if pstate.rank == full_rank:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (LIMIT, limits[1]))
     try:
-        save_checkpoint(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks,
-                                          optimizer), 9, 0)
+        save_checkpoint(CheckpointContext(root, cfg, plan_of(cfg, pstate), pstate, model), 9, 0)
     except Exception as err:  # noqa: BLE001 - the test checks its type
         return type(err).__name__, getattr(err, "errno", None), str(err)
     finally:

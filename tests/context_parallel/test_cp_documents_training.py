@@ -32,9 +32,8 @@ LOSS_TOL = 1e-5  # the issue's bound on the per-iteration loss, every layout
 
 
 def train_packed(pstate: ParallelState, cfg, rule: PackingRule | None = PACKED_RULE) -> list[tuple[float, float]]:
-    chunks, optimizer = build(pstate, cfg)
     schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size), packing=rule)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, schedule, PackedBatches(cfg, pstate.dp_rank, pstate.dp),
+    trainer = Trainer(cfg, pstate, build(pstate, cfg), schedule, PackedBatches(cfg, pstate.dp_rank, pstate.dp),
                       MetricsLog(None, enabled=False))
     return [(r["loss"], r["grad_norm"]) for r in trainer.train()]
 

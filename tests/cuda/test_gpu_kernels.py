@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 import pretrain_gpt
 from megazero.optimizer.adam import AdamHyper, adamw_shard_step
 from tests.helpers.collective_checks import collective_problems, collective_results
-from tests.helpers.launch import _free_port
+from megazero.parallel.state import free_port
 
 pytestmark = pytest.mark.cuda
 LLAMA = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "4",
@@ -35,7 +35,7 @@ FLASH_OPS = {"aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_pro
 def train_in_process(tmp_path, monkeypatch, name: str, backend: SDPBackend) -> tuple[list[float], set[str]]:
     """pretrain_gpt.main in this process (a world of one) under ``backend``; (losses, aten ops that ran)."""
     for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(_free_port())}.items():
+                       "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     metrics = tmp_path / f"{name}.jsonl"
     with sdpa_kernel([backend]), profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -67,7 +67,8 @@ def test_grads_go_down_in_backward_and_params_come_back(precision):
 
     cfg = make_cfg(zero=2, mbs=2, gbs=8, bucket=3000, **precision).updated(device="cuda", offload_optimizer="cpu")
     pstate = ParallelState.serial("cuda")
-    chunks, opt = build(pstate, cfg)
+    model = build(pstate, cfg)
+    chunks, opt = model.chunks, model.optimizer
     schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
     batches = SyntheticBatches(cfg, 0, 1)
     buckets = opt.bucket_list

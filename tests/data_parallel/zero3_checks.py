@@ -24,6 +24,7 @@ from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.evaluate import evaluate
+from megazero.training.parallelize import TrainingModel
 from tests.helpers.optimizer_harness import SyntheticBatches, build, make_cfg, train
 
 EVAL_BATCHES = 1
@@ -43,10 +44,11 @@ class UnitProbe:
     """Snapshots of which units hold their bytes, taken at every block's forward and pre-backward;
     ``problems`` lists every broken invariant (empty when ZeRO 3 frees what it should)."""
 
-    def __init__(self, chunks: list[nn.Module], opt: DistributedOptimizer, cfg: Config) -> None:
+    def __init__(self, model: TrainingModel, cfg: Config) -> None:
+        chunks, opt = model.chunks, model.optimizer
         self.opt, self.prefetch = opt, cfg.parallel.zero3_prefetch
         self.reshard = cfg.parallel.reshard_after_forward
-        self.chunk_units: list[list[Unit]] = opt.sync.units.chunks
+        self.chunk_units: list[list[Unit]] = model.engine.units.chunks
         self.phase = "train"
         self.problems: list[str] = []
         self.peak_blocks = self.peak_bytes = self.events = 0
@@ -118,10 +120,10 @@ def checked_run(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
     model; ZeRO 3 runs carry the probe through both and report what is gathered afterwards."""
     built: dict[str, Any] = {}
 
-    def attach(chunks, opt, _pstate) -> None:
-        built.update(chunks=chunks, opt=opt)
+    def attach(model, _pstate) -> None:
+        built.update(chunks=model.chunks, opt=model.optimizer)
         if cfg.parallel.zero == 3:
-            built["probe"] = UnitProbe(chunks, opt, cfg)
+            built["probe"] = UnitProbe(model, cfg)
 
     run = train(pstate, cfg, hook=attach)
     probe: UnitProbe | None = built.get("probe")
@@ -158,14 +160,14 @@ STATE_PRECISIONS = {  # name: (training flags, model_state_bytes precision, main
 }
 
 
-def padded_bytes(opt: DistributedOptimizer) -> dict[str, int]:
+def padded_bytes(model: TrainingModel) -> dict[str, int]:
     """Bucket bytes (padding included) of root units and block units' parameters, and of all grads."""
     root = block = grads = 0
-    for units in opt.sync.units.chunks:
+    for units in model.engine.units.chunks:
         for u in units:
             n = sum(b.numel * b.param.element_size() for _, b in u.buckets)
             root, block = (root + n, block) if u.index == 0 else (root, block + n)
-    for buf in opt.buffers:
+    for buf in model.optimizer.buffers:
         grads += sum(b.numel for b in buf.buckets) * torch.empty((), dtype=buf.grad_dtype).element_size()
     return {"root": root, "block": block, "grads": grads}
 
@@ -176,8 +178,8 @@ def traffic(pstate: ParallelState) -> dict[str, Any]:
     for name, kw in TRAFFIC_RUNS.items():
         built: dict = {}
         cfg = make_cfg(zero=3, iters=2, **kw)
-        run = train(pstate, cfg, hook=lambda chunks, opt, _p: built.update(opt=opt))
-        out[name] = {"comm": run["records"][-1]["comm_bytes"], "bytes": padded_bytes(built["opt"]),
+        run = train(pstate, cfg, hook=lambda model, _p: built.update(model=model))
+        out[name] = {"comm": run["records"][-1]["comm_bytes"], "bytes": padded_bytes(built["model"]),
                      "micro_batches": cfg.training.global_batch_size // (pstate.dp * cfg.training.micro_batch_size)}
     return out
 
@@ -186,7 +188,7 @@ def model_state(pstate: ParallelState) -> dict[str, Any]:
     """Measured model-state bytes right after build (nothing gathered) and ZeRO 3's arithmetic for them."""
     out = {}
     for name, (flags, precision, grads) in STATE_PRECISIONS.items():
-        chunks, opt = build(pstate, make_cfg(zero=3, mbs=2, hidden=64, bucket=10_000, **flags))
+        opt = build(pstate, make_cfg(zero=3, mbs=2, hidden=64, bucket=10_000, **flags)).optimizer
         local = sum(p.numel() for buf in opt.buffers for p in buf.params)  # TP/PP-local, as the buffers hold
         expected = model_state_bytes(local, pstate.dp, 3, precision, grads)
         out[name] = {"measured": measured_state_bytes(opt), "expected": expected.total,

@@ -15,19 +15,14 @@ import torch
 
 from megazero.checkpoint.async_save import AsyncCheckpointer
 from megazero.checkpoint.save import CheckpointContext
-from megazero.data_parallel.engine import EngineSettings, GradSyncEngine
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
-from megazero.run_plan import RunPlan
 from tests.helpers import serial_ckpt
 
 
 def saver_for(root: str, pstate: ParallelState, zero: int = 0, **kw: Any) -> AsyncCheckpointer:
     """An ``AsyncCheckpointer`` over ``serial_ckpt``'s tiny model, its optimizer at ``zero`` over ``pstate``."""
-    cfg, _, chunks, _ = serial_ckpt.build()
-    optimizer = DistributedOptimizer(GradSyncEngine(chunks, pstate, EngineSettings(stage=zero)), cfg.optimizer)
-    return AsyncCheckpointer(CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate,
-                                               chunks, optimizer, **kw))
+    cfg, _, model = serial_ckpt.build(pstate=pstate, zero=zero)
+    return AsyncCheckpointer(CheckpointContext(root, cfg, serial_ckpt.plan_of(cfg, pstate), pstate, model, **kw))
 
 
 def _crash_mid_background_write(root: str) -> None:

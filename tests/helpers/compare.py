@@ -7,9 +7,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import group_size
 from megazero.tensor_parallel.layers import spec_of
+from megazero.training.parallelize import TrainingModel
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -51,14 +51,14 @@ def precision_errors(run: dict, ref: dict) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def full_parameters(optimizer: DistributedOptimizer) -> Iterator[None]:
+def full_parameters(model: TrainingModel) -> Iterator[None]:
     """Every parameter of this rank's chunks readable inside (a collective over DP: call on every rank).
 
     ZeRO 3 gathers every unit for the duration (the whole TP/PP-local model on this rank, as
     FSDP's full state dict does) and frees them after; other stages wait for the last gather.
     """
-    optimizer.wait_param_gather()
-    units = optimizer.sync.units
+    model.optimizer.wait_param_gather()
+    units = model.engine.units
     if units is None:
         yield
         return

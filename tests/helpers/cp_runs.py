@@ -15,6 +15,7 @@ from megazero.model.chunk import blocks_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from tests.helpers.optimizer_harness import train
+from tests.helpers.session_cache import cached
 
 VOCAB = 512
 RECORD_KEYS = ("loss", "grad_norm", "skipped", "step_time_ms", "tflops_per_device")
@@ -59,8 +60,8 @@ def run_many(pstate: ParallelState, runs: list[CPRun]) -> dict[str, dict[str, An
             states[key] = ParallelState.build(Layout(p.tp, run.dp, p.pp, p.cp), "cpu", cp_a2a=p.cp_a2a)
         seen: list[int] = []  # tokens per sample each block saw: S/cp (S/(cp tp) under SP)
 
-        def count_tokens(chunks, optimizer, pstate) -> None:
-            for chunk in chunks:
+        def count_tokens(model, pstate) -> None:
+            for chunk in model.chunks:
                 for block in blocks_of(chunk):
                     block.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
 
@@ -76,5 +77,10 @@ def serial_config(cfg: Config) -> Config:
 
 
 def serial_reference(cfg: Config) -> dict[str, Any]:
-    result = train(ParallelState.serial(), serial_config(cfg))
+    """The serial run of ``cfg``, once per session for each distinct serial config (``session_cache``)."""
+    return cached(_serial_run, serial_config(cfg))
+
+
+def _serial_run(cfg: Config) -> dict[str, Any]:
+    result = train(ParallelState.serial(), cfg)
     return {"records": [{k: r[k] for k in RECORD_KEYS} for r in result["records"]], "params": result["params"]}

@@ -21,7 +21,7 @@ CONTEXT = mp.get_context("forkserver")
 # torch._dynamo too: building a model imports it (torch's meta-device init runs through _disable_dynamo), ~1.7 s
 # of CPU that each rank would otherwise pay again; pretrain_gpt for the ranks tests/helpers/launch.py forks
 CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "einops", "megazero.model.gpt",
-                                "pretrain_gpt"])
+                                "pretrain_gpt", "pytest"])  # test modules a rank unpickles import pytest
 
 
 def _worker(fn: Callable, rank: int, world_size: int, grid: tuple[int, int, int, int, int, int | None], init_file: str,

@@ -10,11 +10,11 @@ tests whose subject is the process itself (signals, restarts, process groups).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
 
+from megazero.parallel.state import free_port
 from tests.helpers.forked_ranks import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,17 +27,11 @@ class RankResult:
     stderr: str
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
            env: dict[str, str] | None = None, fresh: bool = False) -> list[RankResult]:
     """Each rank's exit code and output. ``fresh=True`` (a real interpreter per rank) is for the files
     ``tests/test_repo_rules.py`` lists: those whose subject is the process itself."""
-    port = str(_free_port())
+    port = str(free_port())
     rank_envs = [{**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
                   "PYTHONPATH": ROOT, **(env or {})} for rank in range(nproc)]

@@ -26,8 +26,7 @@ from megazero.model.chunk import routers_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks, parallelize
 from tests.helpers.resume import cfg_for
 
 EXPERTS = 4
@@ -77,15 +76,15 @@ def round_trip(pstate: ParallelState, cfg: Config, load: str, save: str,
     load_model_weights(folder, meta, chunks, pstate)
     if edit is not None:
         edit(chunks)
-    optimizer = parallelize(chunks, plan, pstate, cfg).optimizer
-    load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+    model = parallelize(chunks, plan, pstate, cfg)
     try:
-        ctx = CheckpointContext(save, cfg, plan, pstate, chunks, optimizer, log=lambda line: None)
+        load_optimizer_state(folder, meta, model, pstate)
+        ctx = CheckpointContext(save, cfg, plan, pstate, model, log=lambda line: None)
         saver = AsyncCheckpointer(ctx) if asynchronous else SyncCheckpointer(ctx)
         saver.save(int(meta["iteration"]), int(meta["consumed_samples"]))
         saver.finish()
     finally:
-        optimizer.close()
+        model.close()
 
 
 def full_contents(root: str) -> dict[str, Any]:

@@ -13,16 +13,17 @@ from typing import Any
 
 from megazero.config import Config
 from megazero.optimizer.accounting import counted_parameters
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
+from megazero.training.parallelize import TrainingModel
 from tests.helpers.step_meter import StepStateMeter, _storages, run_metered
 
 
 class ExpertStateMeter(StepStateMeter):
-    """Peak expert params + grads + optimizer bytes of ``opt`` over the steps run while installed."""
+    """Peak expert params + grads + optimizer bytes of ``model``'s optimizer over the steps run while installed."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
-        super().__init__(opt)
+    def __init__(self, model: TrainingModel) -> None:
+        super().__init__(model)
+        opt = model.optimizer
         self.experts = [buf for buf in opt.buffers if buf.expert]
         assert self.experts, "the model has no expert weights"
         states = [state for buf, state in zip(opt.buffers, opt.store.states) if buf.expert]
@@ -49,7 +50,7 @@ class ExpertStateMeter(StepStateMeter):
 
     def held_grads(self) -> dict[int, int]:
         bufs = self.experts
-        partials = [entry[3] for entry in self.opt.sync._inflight if entry[0].expert and entry[3] is not None]
+        partials = [entry.partial for entry in self.engine._inflight if entry.buf.expert and entry.partial is not None]
         return _storages([b.grad_data for b in bufs] + [b.grad_shard_data for b in bufs]
                          + [k.grad for b in bufs for k in b.buckets] + partials)
 

@@ -16,7 +16,9 @@ from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig,
 from megazero.model.chunk import routers_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
+from megazero.training.parallelize import TrainingModel
 from tests.helpers.optimizer_harness import train
+from tests.helpers.session_cache import cached
 
 VOCAB = 256
 ADAM_EPS = 1e-4  # see optimizer_harness: noise-only updates (the key bias) stay far below lr
@@ -63,8 +65,8 @@ def records(result: dict[str, Any]) -> list[tuple[float, float]]:
 def _routers_where_configured(cfg: Config):
     """A ``train`` hook: a chunk holds routers exactly when one of its layers is MoE (a run that built dense
     layers only would test nothing)."""
-    def check(chunks: list[torch.nn.Module], optimizer: Any, pstate: ParallelState) -> None:
-        for chunk in chunks:
+    def check(model: TrainingModel, pstate: ParallelState) -> None:
+        for chunk in model.chunks:
             moe = any(cfg.model.is_moe_layer(layer) for layer in chunk.layer_ids)
             assert bool(routers_of(chunk)) == moe, f"layers {chunk.layer_ids}: MoE {moe}, routers {routers_of(chunk)}"
     return check
@@ -94,6 +96,10 @@ def serial_records(cfgs: list[Config]) -> list[list[tuple[float, float]]]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [records(train(ParallelState.serial(), serial_config(cfg))) for cfg in cfgs]
+        return [cached(_serial_records, serial_config(cfg)) for cfg in cfgs]  # once per session per config
     finally:
         torch.set_num_threads(threads)
+
+
+def _serial_records(cfg: Config) -> list[tuple[float, float]]:
+    return records(train(ParallelState.serial(), cfg))

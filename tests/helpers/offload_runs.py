@@ -19,8 +19,8 @@ def train_closed(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
     """``optimizer_harness.train``, the memory record after it, then close(): the disk tier must remove its files
     (the optimizer-state file and, with --offload-params disk, the parameter-shard files)."""
     seen: list = []
-    out = train(pstate, cfg, hook=lambda chunks, opt, ps: seen.append(opt))
-    opt = seen[0]
+    out = train(pstate, cfg, hook=lambda model, ps: seen.append(model))
+    opt = seen[0].optimizer
     out["memory"] = measured_state_bytes(opt)
     paths = [getattr(store, "path", None) for store in (opt.store, *(buf.param_store for buf in opt.buffers))]
     opt.close()

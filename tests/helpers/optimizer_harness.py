@@ -11,13 +11,11 @@ from typing import Any
 import torch
 
 from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import TrainingModel, build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_parameters, full_params, rel_err
@@ -47,24 +45,22 @@ def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: 
         logging=LoggingConfig(log_interval=1))
 
 
-def build(pstate: ParallelState, cfg: Config) -> tuple[list[torch.nn.Module], DistributedOptimizer]:
-    """The model chunks (cast to the compute dtype by set-up) and the optimizer, as a run builds them."""
-    plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
-    return chunks, parallelize(chunks, plan, pstate, cfg).optimizer
+def build(pstate: ParallelState, cfg: Config) -> TrainingModel:
+    """The training model (chunks cast to the compute dtype, engine, optimizer), as a run builds it."""
+    return build_training_model(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)
 
 
 def train(pstate: ParallelState, cfg: Config, hook=None) -> dict[str, Any]:
     """A few iterations through the real training pieces; returns records and final full weights."""
-    chunks, optimizer = build(pstate, cfg)
-    if hook is not None:
-        hook(chunks, optimizer, pstate)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size)),
+    model = build(pstate, cfg)
+    if hook is not None:  # hook(model, pstate): sees the built model before the first step
+        hook(model, pstate)
+    trainer = Trainer(cfg, pstate, model, build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size)),
                       SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
-    with full_parameters(optimizer):  # ZeRO 3 gathers every unit
-        for chunk in chunks:
+    with full_parameters(model):  # ZeRO 3 gathers every unit
+        for chunk in model.chunks:
             params.update({k: v.float() for k, v in full_params(chunk, pstate.tp_group).items()})
     return {"records": records, "params": params, "pp_rank": pstate.pp_rank}
 

@@ -18,11 +18,11 @@ from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule, schedule_timeline
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_params, rel_err
+from tests.helpers.session_cache import cached
 
 VOCAB, ITERS = 1000, 5
 # The key bias has a zero gradient in exact arithmetic (softmax ignores a per-query shift), so
@@ -50,13 +50,13 @@ def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule:
 def train(cfg: Config, pstate: ParallelState) -> dict:
     """Five iterations through the real training pieces; returns losses, weights and schedule counts."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
+    model = build_training_model(cfg, plan, pstate)
     schedule = build_schedule(plan, timeline=schedule_timeline(cfg.logging, pstate))
-    trainer = Trainer(cfg, pstate, chunks, parallelize(chunks, plan, pstate, cfg).optimizer, schedule,
-                      SyntheticBatches(cfg, pstate.dp_rank, pstate.dp), MetricsLog(None, enabled=False))
+    trainer = Trainer(cfg, pstate, model, schedule, SyntheticBatches(cfg, pstate.dp_rank, pstate.dp),
+                      MetricsLog(None, enabled=False))
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
-    for chunk in chunks:
+    for chunk in model.chunks:
         params.update(full_params(chunk, pstate.tp_group))
     return {"losses": [r["loss"] for r in records], "params": params,
             "max_in_flight": schedule.stats.max_in_flight,
@@ -88,7 +88,11 @@ def serial_reference(cfg: Config) -> dict:
     flat.update(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, sequence_parallel=False,
                 pipeline_schedule=None, virtual_pipeline_size=None, num_layers_per_virtual_pipeline_stage=None,
                 timeline=None)
-    return train(Config.from_flat(flat), ParallelState.serial())
+    return cached(_serial_train, Config.from_flat(flat))  # once per session for each distinct config
+
+
+def _serial_train(cfg: Config) -> dict:
+    return train(cfg, ParallelState.serial())
 
 
 def parity_errors(result: dict, ref: dict) -> dict[str, float]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.load import load_model_weights, load_optimizer_state
+from megazero.checkpoint.load import load_optimizer_state
 from megazero.checkpoint.checkpointer import NullCheckpointer, SyncCheckpointer
 from megazero.checkpoint.save import CheckpointContext
 from megazero.config import Config
@@ -19,8 +19,7 @@ from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from megazero.training.metrics import MetricsLog
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.compare import full_parameters, full_params
 from tests.helpers.optimizer_harness import SyntheticBatches, make_cfg
@@ -45,29 +44,26 @@ def segment(pstate: ParallelState, cfg: Config, *, load: str | None = None, save
     """Train to ``cfg``'s last iteration, from scratch or from ``load``, saving at the end into ``save``.
 
     Loading follows pretrain_gpt.py: weights into the full-size parameters before the optimizer
-    exists (ZeRO 3 shards them when it is built), optimizer state after it. Returns the iteration
-    records, the evaluation records and the final full weights (gathered over TP and, at zero 3, DP).
+    exists (``build_training_model``; ZeRO 3 shards them when it is built), optimizer state after it.
+    Returns the iteration records, the evaluation records and the final full weights (gathered over
+    TP and, at zero 3, DP).
     """
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
+    found = None if load is None else (storage.resolve(load), storage.read_metadata(storage.resolve(load)))
+    model = build_training_model(cfg, plan, pstate, weights=found)
     start = 0
-    if load is not None:
-        folder = storage.resolve(load)
-        meta = storage.read_metadata(folder)
-        load_model_weights(folder, meta, chunks, pstate)
-    optimizer = parallelize(chunks, plan, pstate, cfg).optimizer
-    if load is not None:
-        load_optimizer_state(folder, meta, optimizer, chunks, pstate)
-        start = int(meta["iteration"])
+    if found is not None:
+        load_optimizer_state(*found, model, pstate)
+        start = int(found[1]["iteration"])
     batches = Batches(cfg, pstate, start)
-    ctx = CheckpointContext(save, cfg, plan, pstate, chunks, optimizer) if save else None
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(plan), batches, MetricsLog(None, enabled=False),
+    ctx = CheckpointContext(save, cfg, plan, pstate, model) if save else None
+    trainer = Trainer(cfg, pstate, model, build_schedule(plan), batches, MetricsLog(None, enabled=False),
                       start_iteration=start, eval_batches=lambda: Batches(cfg, pstate, 100),
                       checkpointer=SyncCheckpointer(ctx) if ctx else NullCheckpointer())
     records = trainer.train()
     params: dict[str, torch.Tensor] = {}
-    with full_parameters(optimizer):
-        for chunk in chunks:
+    with full_parameters(model):
+        for chunk in model.chunks:
             params.update(full_params(chunk, pstate.tp_group))
     return {"records": [r for r in records if "event" not in r], "evals": [r for r in records if "event" in r],
             "params": params}

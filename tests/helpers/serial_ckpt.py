@@ -1,4 +1,4 @@
-"""A serial model + ZeRO-0 optimizer that can save a checkpoint without torch.distributed.
+"""A tiny training model (serial and ZeRO 0 by default) that can save a checkpoint without torch.distributed.
 
 ``build``, ``save`` and ``load`` are used in-process by the error tests, and the module as a
 subprocess by the crash test:
@@ -15,41 +15,44 @@ from megazero.checkpoint import load as ckpt_load
 from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.config import Config
-from megazero.model.gpt import GPTModel
 from megazero.moe_config import MoEFields
-from megazero.model.transformer import TPContext
-from megazero.data_parallel.engine import GradSyncEngine
-from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.tensor_parallel.layers import initialize_parameters
+from megazero.training.parallelize import TrainingModel, Weights, build_training_model
 
 
-def build(arch: str = "gpt2", hidden: int = 32):
-    cfg = Config.from_flat({"arch": arch, "num_layers": 2, "hidden_size": hidden, "num_attention_heads": 4,
-                            "seq_length": 8, "vocab_size": 200})
-    pstate = ParallelState.serial()
-    model = GPTModel(cfg.model, TPContext())
-    initialize_parameters(model, 1, None)
-    return cfg, pstate, [model], DistributedOptimizer(GradSyncEngine([model], pstate), cfg.optimizer)
+def tiny_cfg(arch: str = "gpt2", hidden: int = 32, zero: int = 0) -> Config:
+    return Config.from_flat({"arch": arch, "num_layers": 2, "hidden_size": hidden, "num_attention_heads": 4,
+                             "seq_length": 8, "vocab_size": 200, "zero": zero})
+
+
+def build(arch: str = "gpt2", hidden: int = 32, *, pstate: ParallelState | None = None, zero: int = 0,
+          weights: Weights | None = None) -> tuple[Config, ParallelState, TrainingModel]:
+    """The tiny model's config, its groups (serial unless ``pstate``) and its training model at ``zero``, built as
+    a run builds it (``weights``: a checkpoint folder and its metadata, loaded before the wrap)."""
+    cfg = tiny_cfg(arch, hidden, zero)
+    pstate = pstate or ParallelState.serial()
+    return cfg, pstate, build_training_model(cfg, plan_of(cfg, pstate), pstate, weights=weights)
+
+
+def plan_of(cfg: Config, pstate: ParallelState) -> RunPlan:
+    return RunPlan.resolve(cfg, pstate.layout.world_size)
 
 
 def save(root: str, iteration: int) -> str:
-    cfg, pstate, chunks, optimizer = build()
-    ctx = CheckpointContext(root, cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate, chunks, optimizer)
-    return save_checkpoint(ctx, iteration, 8 * iteration)
+    cfg, pstate, model = build()
+    return save_checkpoint(CheckpointContext(root, cfg, plan_of(cfg, pstate), pstate, model), iteration, 8 * iteration)
 
 
 def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     """Load the checkpoint under ``root`` into a fresh serial model and optimizer, as a resume does."""
-    cfg, pstate, chunks, optimizer = build(arch, hidden)
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
     dense_keys = frozenset(ckpt_load.model_keys()) - {f.name for f in dataclasses.fields(MoEFields)}
-    cfg = dataclasses.replace(cfg, explicit=dense_keys)  # as if the (dense) model were given by flags
-    ckpt_load.merge_config(meta, cfg)
-    ckpt_load.load_model_weights(folder, meta, chunks, pstate)
-    ckpt_load.load_optimizer_state(folder, meta, optimizer, chunks, pstate)
+    typed = dataclasses.replace(tiny_cfg(arch, hidden), explicit=dense_keys)  # as if the (dense) model were typed
+    ckpt_load.merge_config(meta, typed)
+    _, pstate, model = build(arch, hidden, weights=(folder, meta))
+    ckpt_load.load_optimizer_state(folder, meta, model, pstate)
 
 
 def hang_mid_write(on_half_written=lambda: print("HALF-WRITTEN", flush=True)) -> None:

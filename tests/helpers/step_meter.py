@@ -41,8 +41,7 @@ from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import TrainingModel, build_training_model
 from tests.helpers.batches import SyntheticBatches
 
 
@@ -51,9 +50,10 @@ def _storages(tensors) -> dict[int, int]:
 
 
 class StepStateMeter:
-    """Peak params + grads + optimizer bytes of ``opt`` over the steps run while installed."""
+    """Peak params + grads + optimizer bytes of ``model``'s optimizer over the steps run while installed."""
 
-    def __init__(self, opt: DistributedOptimizer) -> None:
+    def __init__(self, model: TrainingModel) -> None:
+        opt, self.engine = model.optimizer, model.engine
         self.opt = opt
         self.optimizer = sum(_storages(opt.store.tensors()).values())
         self.peak = {"total": 0, "params": 0, "grads": 0}
@@ -81,7 +81,7 @@ class StepStateMeter:
 
     def held_grads(self) -> dict[int, int]:
         bufs = self.opt.buffers
-        partials = self.opt.sync.inflight_partials
+        partials = self.engine.inflight_partials
         return _storages([b.grad_data for b in bufs] + [b.grad_shard_data for b in bufs]
                          + [k.grad for b in bufs for k in b.buckets] + partials)
 
@@ -127,12 +127,12 @@ def run_metered(pstate: ParallelState, cfg: Config, steps: int = 2,
     (model, ZeRO optimizer, schedule) under a ``meter_type`` meter: (the optimizer, the meter's record)."""
     torch.manual_seed(cfg.training.seed)
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
-    opt = parallelize(chunks, plan, pstate, cfg).optimizer
+    model = build_training_model(cfg, plan, pstate)
+    chunks, opt = model.chunks, model.optimizer
     on_built(chunks, opt)
     schedule = build_schedule(plan)
     batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
-    with meter_type(opt) as meter:
+    with meter_type(model) as meter:
         for _ in range(steps):
             opt.zero_grad()
             schedule(chunks, batches.next_step(), pstate, opt.no_sync)

@@ -31,7 +31,7 @@ from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from megazero.tensor_parallel.random import DropoutRNG
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.compare import full_grads, rel_err
 from tests.helpers.dist import spawn
 from tests.helpers.reference import sync_replicated_grads

@@ -34,7 +34,7 @@ from megazero.model.chunk import blocks_of
 from megazero.model.recompute import apply_recompute
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.dist import spawn
 from tests.helpers.peak_memory import peak_live_bytes
 from tests.helpers.saved_tensors import SavedTensorMeter

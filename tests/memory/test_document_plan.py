@@ -31,7 +31,7 @@ from megazero.model.flops import flops_per_token
 from megazero.model.recompute import apply_recompute
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.dist import spawn
 from tests.helpers.saved_tensors import SavedTensorMeter
 from tests.helpers.tool_module import load_tool

@@ -19,7 +19,7 @@ from megazero.config import Config
 from megazero.memory import PlanSpec, plan_memory
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.dist import spawn
 from tests.helpers.peak_memory import peak_live_bytes
 

@@ -101,7 +101,7 @@ def _config(tp: int, pp: int, zero: int, precision: str, grads: str, model: str)
 def measured_records(pstate, layout: tuple) -> dict:
     """This rank's peak model state over two real steps (``step_meter``) and the model's parameter count."""
     from megazero.optimizer.accounting import counted_parameters
-    from megazero.training.run import build_model_chunks
+    from megazero.training.parallelize import build_model_chunks
 
     cfg = _config(*layout[1:])
     chunks = build_model_chunks(cfg, RunPlan.resolve(cfg, pstate.layout.world_size), pstate)

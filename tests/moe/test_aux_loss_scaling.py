@@ -48,12 +48,13 @@ def make_cfg(*, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int | N
 def router_grads(pstate: ParallelState, cfg: Config) -> dict[str, torch.Tensor]:
     """The reduced router-weight gradients of one step on identical micro-batches, by parameter name."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks, optimizer = build(pstate, cfg)
+    model = build(pstate, cfg)
+    chunks, optimizer = model.chunks, model.optimizer
     try:
         sample = torch.randint(VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(3))
         optimizer.zero_grad()
         build_schedule(plan)(chunks, [sample] * plan.micro_batches, pstate, optimizer.no_sync)
-        optimizer.sync.finish()
+        model.engine.finish()
         grads = {}
         for chunk in chunks:
             names = {p: n for n, p in chunk.named_parameters()}
@@ -116,7 +117,8 @@ def test_aux_scale_follows_the_fp16_loss_scale():
     routers' is too, at the scale of the step that runs (it changes between steps)."""
     cfg = make_cfg(micro_batches=4)
     cfg = replace(cfg, training=replace(cfg.training, fp16=True))
-    chunks, optimizer = build(ParallelState.serial(), cfg)
+    model = build(ParallelState.serial(), cfg)
+    chunks, optimizer = model.chunks, model.optimizer
     try:
         sample = torch.randint(VOCAB, (MBS, SEQ + 1), generator=torch.Generator().manual_seed(3))
         for scale in (1024.0, 8.0):

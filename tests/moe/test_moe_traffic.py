@@ -61,9 +61,9 @@ def _train_counting(pstate, configs) -> dict[str, dict]:
             gc.collect()
             live.append(sum(1 for o in gc.get_objects() if torch.is_tensor(o)))
 
-        def hook(chunks, _optimizer, _pstate):
-            chunks[0].register_forward_pre_hook(census)
-            for chunk in chunks:
+        def hook(model, _pstate):
+            model.chunks[0].register_forward_pre_hook(census)
+            for chunk in model.chunks:
                 for router in routers_of(chunk):
                     router.register_forward_hook(record)
 

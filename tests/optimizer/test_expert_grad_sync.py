@@ -113,8 +113,8 @@ def _run(pstate: ParallelState, settings: dict, poison: bool = False, fp16: bool
     scaler = DynamicLossScaler(4.0) if fp16 else None
     if scaler is not None:
         scaler.attach([model])
-    opt = DistributedOptimizer(GradSyncEngine([model], pstate, EngineSettings(bucket_size=8, **settings)),
-                               OptimizerConfig(lr=0.0, clip_grad=0.0), scaler)
+    engine = GradSyncEngine([model], pstate, EngineSettings(bucket_size=8, **settings))
+    opt = DistributedOptimizer(engine, OptimizerConfig(lr=0.0, clip_grad=0.0), scaler)
     try:
         opt.zero_grad()
         scale = float(2 ** pstate.rank)
@@ -122,7 +122,7 @@ def _run(pstate: ParallelState, settings: dict, poison: bool = False, fp16: bool
             model.blocks[0].experts[0].register_hook(lambda g: g.index_fill(1, torch.tensor([0]), float("inf")))
         model(scale).backward()
         result = opt.step(lr=0.0)
-        covered = _check_shards(pstate, model, opt) if not poison else {}
+        covered = _check_shards(pstate, engine) if not poison else {}
         with torch.no_grad():  # overlapped gathers: each block waits for its buckets; ZeRO 3: gathers, frees
             model(scale)
         gathered = opt.host_copies(keep=True)
@@ -134,10 +134,10 @@ def _run(pstate: ParallelState, settings: dict, poison: bool = False, fp16: bool
         opt.close()
 
 
-def _check_shards(pstate: ParallelState, model: nn.Module, opt: DistributedOptimizer) -> dict[str, int]:
+def _check_shards(pstate: ParallelState, engine: GradSyncEngine) -> dict[str, int]:
     """Assert that each piece of a reduced grad shard is its expected value; returns elements seen per name."""
     covered: dict[str, int] = {}
-    for buf, shards in zip(opt.buffers, opt.sync.grad_shards()):
+    for buf, shards in zip(engine.buffers, engine.grad_shards()):
         for b, shard in zip(buf.buckets, shards):
             for seg in b.segments:
                 name = seg.param.toy_name

@@ -35,7 +35,8 @@ def norms(pstate: ParallelState, tp: int, pp: int) -> dict:
     out: dict = {"norm": {}, "owned": []}
     for zero in ZEROS:
         cfg = make_cfg(zero=zero, tp=tp, pp=pp, hidden=64, bucket=20_000)
-        chunks, opt = build(pstate, cfg)
+        model = build(pstate, cfg)
+        chunks, opt = model.chunks, model.optimizer
         opt.zero_grad()
         for buf in opt.buffers:  # ZeRO 2 allocates bucket gradients on first use
             for b in buf.buckets:

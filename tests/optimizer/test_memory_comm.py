@@ -32,8 +32,7 @@ def measure(pstate) -> dict:
     for name, (flags, _) in PRECISIONS.items():
         for zero in (0, 1, 2):
             cfg = make_cfg(zero=zero, mbs=2, hidden=64, bucket=BUCKET, **flags)  # gbs 8 over dp 4
-            chunks, opt = build(pstate, cfg)
-            out["memory"][name, zero] = memory_record(opt, chunks, pstate)
+            out["memory"][name, zero] = memory_record(build(pstate, cfg), pstate)
     for zero, mbs in ((0, 2), (1, 2), (2, 2), (2, 1)):  # gbs 8 over dp 4: 1 or 2 micro-batches
         run = train(pstate, make_cfg(zero=zero, mbs=mbs, hidden=64, bucket=BUCKET, iters=2),
                     hook=_count_live_buckets(out["peak_buckets"], (zero, mbs)))
@@ -44,8 +43,8 @@ def measure(pstate) -> dict:
 def _count_live_buckets(peaks: dict, key) -> Callable:
     """After every gradient, record how many full-size bucket gradients exist at once."""
 
-    def hook(chunks, optimizer, pstate) -> None:
-        peaks[key] = 0
+    def hook(model, pstate) -> None:
+        peaks[key], optimizer = 0, model.optimizer
 
         def count(_p) -> None:
             live = sum(b.grad is not None for buf in optimizer.buffers for b in buf.buckets)

@@ -56,7 +56,8 @@ def overflow_run(pstate) -> dict:
     out = {}
     for zero in (0, 1, 2):
         cfg = make_cfg(zero=zero, mbs=4, fp16=True, initial_loss_scale=1024.0)
-        chunks, opt = build(pstate, cfg)
+        model = build(pstate, cfg)
+        chunks, opt = model.chunks, model.optimizer
         schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
         batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         target = opt.buffers[0].params[0]  # first in the buffer: the start of bucket 0, DP rank 0's shard

@@ -50,7 +50,8 @@ def skip_cases(pstate) -> dict:
         flags = {"bf16": {"bf16": True}, "fp16": {"fp16": True, "initial_loss_scale": SCALE,
                                                   "min_loss_scale": SCALE if floor else 1.0}}.get(precision, {})
         cfg = make_cfg(zero=zero, tp=2, pp=2, mbs=2, clip=1.0, **flags)
-        chunks, opt = build(pstate, cfg)
+        model = build(pstate, cfg)
+        chunks, opt = model.chunks, model.optimizer
         schedule = build_schedule(RunPlan.resolve(cfg, pstate.layout.world_size))
         batches = SyntheticBatches(cfg, pstate.dp_rank, pstate.dp)
         inject = {"on": False}

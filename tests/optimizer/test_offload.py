@@ -49,7 +49,7 @@ def offloaded(cfg: Config, where: str, folder: str, buffers: int = 2, size: int 
 def pool_check(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
     """Which memory a disk store's sweep hands out: every piece's views must lie in its K buffers, and the
     buffers' size follows --offload-buffer-size, not the largest bucket."""
-    _, opt = build(pstate, cfg)
+    opt = build(pstate, cfg).optimizer
     store = opt.store
     pool = {b.untyped_storage().data_ptr() for b in store.pool}
     pieces = [(i, lo, views[0].numel()) for i, lo, views in store.sweep()]

@@ -52,8 +52,8 @@ def memory_cfg(every: bool, precision: str) -> Config:
 def _bucket_elements(store: dict):
     """A ``train`` hook: remember the padded elements of this rank's buckets (what the collectives move)."""
 
-    def hook(chunks, optimizer, pstate) -> None:
-        store["elements"] = sum(buf.numel for buf in optimizer.buffers)
+    def hook(model, pstate) -> None:
+        store["elements"] = sum(buf.numel for buf in model.optimizer.buffers)
 
     return hook
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 from megazero.config import ConfigError
 from megazero.pipeline.partition import chunk_layer_ranges
 from megazero.run_plan import RunPlan
-from megazero.training.run import build_model_chunks, validate
+from megazero.training.parallelize import build_model_chunks
+from megazero.training.run import validate
 from tests.helpers.dist import spawn
 from tests.helpers.pipeline_harness import make_cfg
 

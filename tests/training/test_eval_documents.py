@@ -14,7 +14,7 @@ from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from megazero.training.evaluate import evaluate
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.batches import EOD, PACKED_RULE, PackedBatches
 from tests.helpers.cp_runs import make_cfg, serial_config
 from tests.helpers.dist import spawn

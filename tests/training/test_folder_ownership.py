@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 
 LOCK = ".megazero.lock"  # ownership.LOCK_NAME (checked below); spelled out so the old code's runs can use it
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
@@ -109,7 +110,7 @@ def test_a_second_job_on_a_held_folder_stops_on_every_rank(tmp_path, solo):
     save, offload, metrics = str(tmp_path / "save"), str(tmp_path / "offload"), str(tmp_path / "a.jsonl")
     os.mkfifo(metrics)
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "SLURM_JOB_ID": "4242"}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "SLURM_JOB_ID": "4242"}
     job_a = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *SMALL, "--offload-optimizer",
                               "disk", "--offload-path", offload, "--save", save, "--metrics-file", metrics],
                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

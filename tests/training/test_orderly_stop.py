@@ -24,7 +24,8 @@ from megazero.checkpoint import storage
 from megazero.checkpoint.save import CheckpointContext, save_checkpoint
 from megazero.run_plan import RunPlan
 from tests.helpers.async_ckpt import saver_for
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 from tests.helpers.serial_ckpt import build, save
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -129,7 +130,7 @@ def test_sigterm_with_async_save_publishes_and_says_where(tmp_path):
     """A signal's save under --async-save is published before the exit, and the last line names it."""
     root, metrics = str(tmp_path / "ckpt"), tmp_path / "m.jsonl"
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *SMALL, "--lr", "1e-3",
                              "--train-iters", "100000", "--async-save", "--save-interval", "1", "--save", root,
                              "--metrics-file", str(metrics)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -176,11 +177,11 @@ def test_unpublished_async_save_says_what_latest_names(tmp_path):
 def test_refused_save_without_a_checkpoint_says_there_is_none(tmp_path):
     """A NaN refused on the first save: no 'latest' exists, and the message does not claim one."""
     root = str(tmp_path / "ckpt")
-    cfg, pstate, chunks, optimizer = build()
+    cfg, pstate, model = build()
     with torch.no_grad():
-        next(chunks[0].parameters())[0] = float("nan")
+        next(model.chunks[0].parameters())[0] = float("nan")
     plan = RunPlan.resolve(cfg, 1)
-    ctx = CheckpointContext(root, cfg, plan, pstate, chunks, optimizer)
+    ctx = CheckpointContext(root, cfg, plan, pstate, model)
     with pytest.raises(ValueError) as err:
         save_checkpoint(ctx, 2, 0)
     assert f"{root} holds no published checkpoint yet (no 'latest'); start again" in str(err.value), err.value

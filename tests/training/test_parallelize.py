@@ -11,8 +11,7 @@ from megazero.model.gpt import GPTModel
 from megazero.model.recompute import apply_recompute
 from megazero.model.transformer import TPContext
 from megazero.run_plan import RunPlan
-from megazero.training.parallelize import parallelize
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_training_model
 from tests.helpers.dist import spawn
 from tests.helpers.pipeline_harness import make_cfg
 
@@ -22,7 +21,7 @@ def wrapped_repr(pstate) -> dict:
     cfg = make_cfg("gpt2", tp=2, pp=2, sp=True).updated(zero=3, recompute="full", compile=True,
                                                         compile_backend="aot_eager", fp16=True)
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    model = parallelize(build_model_chunks(cfg, plan, pstate), plan, pstate, cfg)
+    model = build_training_model(cfg, plan, pstate)
     hooks = [h.__qualname__ for chunk in model.chunks for h in chunk._forward_hooks.values()]
     return {"repr": repr(model), "last_forward_hook": hooks[-1]}
 

@@ -13,7 +13,7 @@ from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from megazero.tensor_parallel.random import seed_everything
 from megazero.training.evaluate import evaluate
-from megazero.training.run import build_model_chunks
+from megazero.training.parallelize import build_model_chunks
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
 from tests.helpers.pipeline_harness import SyntheticBatches, make_cfg, train

@@ -28,7 +28,8 @@ import torch
 from megazero.checkpoint import storage
 from megazero.config import Config
 from megazero.training.run import find_checkpoint, validate
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 
 GUARD = 300  # seconds: a hang guard for the subprocesses, not a timing assertion
 ITERS = 30  # long enough that the kill (at a checkpoint >= 4) lands well before the end
@@ -178,7 +179,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     ref_dir, env = tmp / "reference", _fake_slurm(tmp, "localhost", 0, SLURM_JOB_NODELIST="localhost")
     ref = subprocess.run(["bash", os.path.join(ROOT, "tools/launch_slurm.sh"), "--nproc-per-node", "2",
-                          "--max-restarts", "1", "--port", str(_free_port()), *TRAIN, "--save", str(ref_dir),
+                          "--max-restarts", "1", "--port", str(free_port()), *TRAIN, "--save", str(ref_dir),
                           "--load", str(ref_dir), "--metrics-file", str(ref_dir / "m.jsonl")],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=GUARD)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -190,7 +191,7 @@ def reference(tmp_path_factory):
 # torchrun's two rendezvous kinds as users spell them: the default (static, one store the agent keeps for
 # the whole job) and c10d (--standalone; the agent shares its store with the workers unless the variable is 1)
 RENDEZVOUS = {"static": lambda: ["--nnodes", "1", "--node_rank", "0", "--master_addr", "127.0.0.1",
-                                 "--master_port", str(_free_port())],
+                                 "--master_port", str(free_port())],
               "c10d": lambda: ["--standalone"]}
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from megazero.checkpoint import storage
 from megazero.training.stop_signal import StopSignal
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
@@ -28,7 +29,7 @@ GUARD = 300  # seconds: a hang guard for the subprocesses, not a timing assertio
 
 def _start(nproc: int, flags: list[str]) -> list[subprocess.Popen]:
     """nproc ranks of pretrain_gpt.py joining one gloo world, as torchrun would start them."""
-    port, procs = str(_free_port()), []
+    port, procs = str(free_port()), []
     for rank in range(nproc):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}

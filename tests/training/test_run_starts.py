@@ -28,7 +28,8 @@ from megazero.checkpoint import storage
 from megazero.training.progress import Progress
 from megazero.training.run_identity import RunIdentity
 from tests.helpers import serial_ckpt
-from tests.helpers.launch import ROOT, _free_port, launch
+from megazero.parallel.state import free_port
+from tests.helpers.launch import ROOT, launch
 from tests.helpers.tool_module import load_tool
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -44,7 +45,7 @@ GUARD = 300  # seconds: a hang guard for the subprocesses, not a timing assertio
 def _signalled_run(tmp, metrics) -> tuple[str, str]:
     """Run "a": trains until a SIGINT sent once its first checkpoint (iteration 2) is published; (stdout, stderr)."""
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     args = [*DENSE, "--train-iters", "100000", "--log-interval", "1000", "--save-interval", "2",
             "--save", str(tmp / "ckpt"), "--metrics-file", str(metrics)]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], env=env, cwd=ROOT,
@@ -206,7 +207,7 @@ def test_outputs_line_names_the_timeline_and_the_wandb_run(runs):
 
 def test_a_checkpoint_without_a_run_id_or_a_finetune_starts_a_new_run(tmp_path):
     folder = serial_ckpt.save(str(tmp_path / "ckpt"), 2)  # saved with no run id, as before ids existed
-    cfg, pstate, _, _ = serial_ckpt.build()
+    cfg, pstate, _ = serial_ckpt.build()
     unrecorded = RunIdentity.agreed(cfg, folder, pstate)
     assert unrecorded.continues is None and re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{6}", unrecorded.run_id)
     path = os.path.join(folder, storage.METADATA)

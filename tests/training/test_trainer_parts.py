@@ -40,20 +40,20 @@ class RecordingRun:
 
 
 def _config(root: str | None, async_save: bool = False):
-    cfg, pstate, chunks, optimizer = serial_ckpt.build()
+    cfg, pstate, model = serial_ckpt.build()
     cfg = cfg.updated(train_iters=ITERS, global_batch_size=GLOBAL_BATCH, micro_batch_size=2, log_interval=1,
                       save=root, save_interval=2, async_save=async_save)
-    return cfg, pstate, chunks, optimizer
+    return cfg, pstate, model
 
 
 def _train(root: str | None, async_save: bool = False, batches: SyntheticBatches | None = None,
            lines: io.StringIO | None = None, **parts) -> list[float]:
     """The losses of a short run (its lines into ``lines``); ``root`` None: no --save."""
     torch.manual_seed(0)  # the checkpoints hold the generators' states: every run starts from the same
-    cfg, pstate, chunks, optimizer = _config(root, async_save)
+    cfg, pstate, model = _config(root, async_save)
     plan = RunPlan.resolve(cfg, 1)
-    checkpointer = open_checkpointer(cfg, plan, pstate, chunks, optimizer)
-    trainer = Trainer(cfg, pstate, chunks, optimizer, build_schedule(plan), batches or SyntheticBatches(cfg, 0, 1),
+    checkpointer = open_checkpointer(cfg, plan, pstate, model)
+    trainer = Trainer(cfg, pstate, model, build_schedule(plan), batches or SyntheticBatches(cfg, 0, 1),
                       MetricsLog(None, enabled=True, stream=lines or io.StringIO()), checkpointer=checkpointer, **parts)
     return [r["loss"] for r in trainer.train()]
 

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -27,6 +26,7 @@ from tests.helpers.async_ckpt import saver_for
 from megazero.parallel.state import free_port
 from tests.helpers.launch import ROOT, launch
 from tests.helpers.serial_ckpt import build, save
+from tests.helpers.signals import signal_when
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
@@ -135,17 +135,7 @@ def test_sigterm_with_async_save_publishes_and_says_where(tmp_path):
                              "--train-iters", "100000", "--async-save", "--save-interval", "1", "--save", root,
                              "--metrics-file", str(metrics)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + GUARD
-        while not metrics.exists() or len(_iterations(metrics)) < 3:
-            assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=GUARD)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    out, err = signal_when(proc, lambda: metrics.exists() and len(_iterations(metrics)) >= 3, signal.SIGTERM, GUARD)
     assert proc.returncode == 0, err[-3000:]
     last = _iterations(metrics)[-1][0]
     assert out.splitlines()[-1] == (f"megazero: stopped by signal after iteration {last}; checkpoint saved, "

@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -31,6 +30,7 @@ from tests.helpers import serial_ckpt
 from megazero.parallel.state import free_port
 from tests.helpers.launch import ROOT, launch
 from tests.helpers.tool_module import load_tool
+from tests.helpers.signals import signal_when
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
@@ -50,17 +50,7 @@ def _signalled_run(tmp, metrics) -> tuple[str, str]:
             "--save", str(tmp / "ckpt"), "--metrics-file", str(metrics)]
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *args], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + GUARD
-        while not (tmp / "ckpt" / "latest").exists():
-            assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=GUARD)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    out, err = signal_when(proc, (tmp / "ckpt" / "latest").exists, signal.SIGINT, GUARD)
     assert proc.returncode == 0, err[-3000:]
     return out, err
 

@@ -25,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from bench.harness import ROOT
 from bench.results import results_header
-from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.config import Config
 from megazero.pipeline.schedules import build_schedule, schedule_timeline
 from megazero.pipeline.timeline import bubble_of_step
 from megazero.run_plan import RunPlan
@@ -33,6 +33,7 @@ from megazero.training.metrics import MetricsLog
 from megazero.training.parallelize import build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.dist import spawn
+from tests.helpers.tiny_config import degrees
 
 WARMUP_STEPS = 1
 MODEL = dict(arch="gpt2", num_layers=8, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=256)
@@ -52,11 +53,9 @@ class Tokens:
 
 
 def make_cfg(pp: int, m: int, vp: int, steps: int) -> Config:
-    return Config(parallel=ParallelConfig(pipeline_model_parallel_size=pp, virtual_pipeline_size=vp),
-                  model=ModelConfig(**MODEL), optimizer=OptimizerConfig(lr=1e-4),
-                  training=TrainingConfig(micro_batch_size=1, global_batch_size=m, train_iters=steps,
-                                          device="cpu"),
-                  logging=LoggingConfig(log_interval=1, timeline="unused.json"))
+    """Not the tests' tiny config (``tests/helpers/tiny_config.py``): a wider model, the defaults otherwise."""
+    return Config().updated(**degrees(pp=pp, vp=vp), **MODEL, lr=1e-4, micro_batch_size=1, global_batch_size=m,
+                            train_iters=steps, device="cpu", log_interval=1, timeline="unused.json")
 
 
 def rank_spans(pstate, cfg: Config) -> list[list[tuple[float, float]]]:

@@ -9,17 +9,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                             TrainingConfig)
+from megazero.config import Config, ParallelConfig
 from megazero.model.chunk import blocks_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
+from tests.helpers.tiny_config import degrees, family, tiny_config
 
 VOCAB = 512
 RECORD_KEYS = ("loss", "grad_norm", "skipped", "step_time_ms", "tflops_per_device")
-ADAM_EPS = 1e-4  # see pipeline_harness: keeps noise-only updates (the key bias) far below lr
 
 
 def make_cfg(arch: str = "gpt2", *, tp: int = 1, cp: int = 1, pp: int = 1, zero: int = 0, sp: bool = False,
@@ -27,19 +26,11 @@ def make_cfg(arch: str = "gpt2", *, tp: int = 1, cp: int = 1, pp: int = 1, zero:
              recompute: str = "none", layers: int = 2, seq: int = 32, mbs: int = 2, gbs: int = 4,
              iters: int = 20, dropout: float = 0.0, parallel: dict | None = None,
              training: dict | None = None) -> Config:
-    """A tiny model; ``parallel`` / ``training``: more ParallelConfig / TrainingConfig fields."""
-    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
-    return Config(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                pipeline_model_parallel_size=pp, zero=zero, sequence_parallel=sp,
-                                cp_comm_type=comm, cp_a2a_size=a2a, pipeline_schedule=schedule,
-                                virtual_pipeline_size=vp, **(parallel or {})),
-        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=seq, vocab_size=VOCAB,
-                          hidden_dropout=dropout, **heads),
-        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1),
-        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, seed=7,
-                                device="cpu", recompute=recompute, **(training or {})),
-        logging=LoggingConfig(log_interval=1))
+    """``tiny_config`` at this layout; ``parallel`` / ``training``: more (flat) settings of those sections."""
+    return tiny_config(**degrees(tp=tp, cp=cp, pp=pp, zero=zero, sp=sp, comm=comm, a2a=a2a, schedule=schedule, vp=vp),
+                       **(parallel or {}), **family(arch), num_layers=layers, seq_length=seq, vocab_size=VOCAB,
+                       hidden_dropout=dropout, micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters,
+                       recompute=recompute, **(training or {}))
 
 
 @dataclass

@@ -12,16 +12,16 @@ from typing import Any
 
 import torch
 
-from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.config import Config, ParallelConfig
 from megazero.model.chunk import routers_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.training.parallelize import TrainingModel
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
+from tests.helpers.tiny_config import degrees, family, tiny_config
 
 VOCAB = 256
-ADAM_EPS = 1e-4  # see optimizer_harness: noise-only updates (the key bias) stay far below lr
 MOE = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
 
 
@@ -29,21 +29,12 @@ def make_cfg(arch: str = "llama", *, tp: int = 1, cp: int = 1, pp: int = 1, ep: 
              zero: int = 0, comm: str = "p2p", schedule: str | None = None, vp: int | None = None,
              layers: int = 2, iters: int = 20, model: dict | None = None, parallel: dict | None = None,
              training: dict | None = None) -> Config:
-    """A 2-layer, 32-wide MoE model (E 4, k 2, aux and z losses on); ``model`` / ``parallel`` / ``training``:
-    more fields of those sections."""
-    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
-    return Config(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                expert_tensor_parallel_size=etp, zero=zero, sequence_parallel=tp > 1,
-                                cp_comm_type=comm, pipeline_schedule=schedule, virtual_pipeline_size=vp,
-                                **(parallel or {})),
-        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=32, vocab_size=VOCAB,
-                          **heads, **{**MOE, **(model or {})}),
-        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1),
-        training=TrainingConfig(micro_batch_size=2, global_batch_size=8, train_iters=iters, seed=7, device="cpu",
-                                **(training or {})),
-        logging=LoggingConfig(log_interval=1))
+    """``tiny_config`` as a MoE model (E 4, k 2, aux and z losses on), sequence-parallel under TP; ``model`` /
+    ``parallel`` / ``training``: more (flat) settings of those sections."""
+    return tiny_config(**degrees(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, zero=zero, sp=tp > 1, comm=comm,
+                               schedule=schedule, vp=vp), **(parallel or {}),
+                       **family(arch), num_layers=layers, seq_length=32, vocab_size=VOCAB, **{**MOE, **(model or {})},
+                       train_iters=iters, **(training or {}))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.config import Config
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
@@ -19,30 +19,20 @@ from megazero.training.parallelize import TrainingModel, build_training_model
 from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_parameters, full_params, rel_err
+from tests.helpers.tiny_config import degrees, tiny_config
 
 VOCAB, ITERS = 1000, 3
-# The attention key bias has an exactly-zero gradient (softmax ignores a per-query shift), so
-# with a tiny eps Adam would turn rounding noise into +-lr steps that differ between any two
-# summation orders. eps = 1e-5 keeps such noise-only updates ~1e-5 of lr; real grads are >> eps.
-ADAM_EPS = 1e-4
 
 
 def make_cfg(*, zero: int = 0, tp: int = 1, pp: int = 1, sp: bool = False, mbs: int = 4, gbs: int = 8,
              clip: float = 0.0, bucket: int = 3000, overlap: bool = False, layers: int = 2, hidden: int = 32,
              iters: int = ITERS, vp: int | None = None, prefetch: int = 1, reshard: bool = True,
              unit_layers: int = 1, **training: Any) -> Config:
-    return Config(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, zero=zero,
-                                sequence_parallel=sp, bucket_size=bucket, overlap_param_gather=overlap,
-                                virtual_pipeline_size=vp, zero3_prefetch=prefetch,
-                                reshard_after_forward=reshard, zero3_unit_layers=unit_layers),
-        model=ModelConfig(arch="gpt2", num_layers=layers, hidden_size=hidden, num_attention_heads=4,
-                          seq_length=16, vocab_size=VOCAB),
-        optimizer=OptimizerConfig(lr=1e-3, lr_decay_style="constant", adam_eps=ADAM_EPS, weight_decay=0.1,
-                                  clip_grad=clip),
-        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, seed=7,
-                                device="cpu", **training),
-        logging=LoggingConfig(log_interval=1))
+    """``tiny_config`` at this layout, bucket size and ZeRO 3 unit settings; ``training``: more flat settings."""
+    return tiny_config(**degrees(tp=tp, pp=pp, zero=zero, sp=sp, vp=vp), bucket_size=bucket,
+                       overlap_param_gather=overlap, zero3_prefetch=prefetch, reshard_after_forward=reshard,
+                       zero3_unit_layers=unit_layers, num_layers=layers, hidden_size=hidden, vocab_size=VOCAB,
+                       clip_grad=clip, micro_batch_size=mbs, global_batch_size=gbs, train_iters=iters, **training)
 
 
 def build(pstate: ParallelState, cfg: Config) -> TrainingModel:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megazero.config import (Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig,
-                             TrainingConfig)
+from megazero.config import Config
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.pipeline.schedules import build_schedule, schedule_timeline
@@ -23,28 +22,19 @@ from megazero.training.trainer import Trainer
 from tests.helpers.batches import SyntheticBatches  # noqa: F401 (re-exported)
 from tests.helpers.compare import full_params, rel_err
 from tests.helpers.session_cache import cached
+from tests.helpers.tiny_config import degrees, family, tiny_config
 
 VOCAB, ITERS = 1000, 5
-# The key bias has a zero gradient in exact arithmetic (softmax ignores a per-query shift), so
-# with a tiny eps Adam would turn rounding noise into +-lr steps that differ between any two
-# summation orders. eps = 1e-4 keeps such noise-only updates ~1e-6 of lr; real grads are >> eps.
-ADAM_EPS = 1e-4
 
 
 def make_cfg(arch: str, *, tp: int = 1, pp: int = 1, sp: bool = False, schedule: str | None = None,
              vp: int | None = None, per_vstage: int | None = None, layers: int = 4, mbs: int = 2,
              gbs: int = 8, seq: int = 16,
              timeline: str | None = None) -> Config:
-    heads = dict(num_attention_heads=4, num_query_groups=2 if arch == "llama" else None)
-    return Config(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                sequence_parallel=sp, pipeline_schedule=schedule, virtual_pipeline_size=vp,
-                                num_layers_per_virtual_pipeline_stage=per_vstage),
-        model=ModelConfig(arch=arch, num_layers=layers, hidden_size=32, seq_length=seq, vocab_size=VOCAB, **heads),
-        optimizer=OptimizerConfig(lr=3e-3, lr_decay_style="constant", adam_eps=ADAM_EPS),
-        training=TrainingConfig(micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS, seed=7,
-                                device="cpu"),
-        logging=LoggingConfig(log_interval=1, timeline=timeline))
+    """``tiny_config`` at this layout and schedule, lr 3e-3 and AdamW's default weight decay."""
+    return tiny_config(**degrees(tp=tp, pp=pp, sp=sp, schedule=schedule, vp=vp, per_vstage=per_vstage),
+                       **family(arch), num_layers=layers, seq_length=seq, vocab_size=VOCAB, lr=3e-3, weight_decay=0.01,
+                       micro_batch_size=mbs, global_batch_size=gbs, train_iters=ITERS, timeline=timeline)
 
 
 def train(cfg: Config, pstate: ParallelState) -> dict:

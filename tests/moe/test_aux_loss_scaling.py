@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, ParallelConfig, TrainingConfig
+from megazero.config import Config
 from megazero.model.chunk import routers_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
@@ -25,24 +25,19 @@ from megazero.pipeline.schedules import build_schedule
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import build
+from tests.helpers.tiny_config import degrees, family, tiny_config
 
 SEQ, MBS, VOCAB = 16, 2, 128
 TOL = 1e-6  # of the largest entry of the reference gradient: fp32 sums in another order
+OPTIMIZER_DEFAULTS = dict(lr_decay_style="cosine", adam_eps=1e-8, weight_decay=0.01)  # no step is taken
 
 
 def make_cfg(*, tp: int = 1, cp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, micro_batches: int = 1,
              dp: int = 1) -> Config:
-    moe = dict(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.1)
-    return Config(
-        parallel=ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                expert_tensor_parallel_size=etp, sequence_parallel=tp > 1),
-        model=ModelConfig(arch="llama", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                          seq_length=SEQ, vocab_size=VOCAB, **moe),
-        optimizer=OptimizerConfig(lr=1e-3),
-        training=TrainingConfig(micro_batch_size=MBS, global_batch_size=MBS * micro_batches * dp, train_iters=1,
-                                seed=7, device="cpu"),
-        logging=LoggingConfig(log_interval=1))
+    return tiny_config(**degrees(tp=tp, cp=cp, pp=pp, ep=ep, etp=etp, sp=tp > 1), **family("llama"),
+                       num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=1.0, moe_z_loss_coeff=0.1,
+                       seq_length=SEQ, vocab_size=VOCAB, **OPTIMIZER_DEFAULTS, micro_batch_size=MBS,
+                       global_batch_size=MBS * micro_batches * dp, train_iters=1)
 
 
 def router_grads(pstate: ParallelState, cfg: Config) -> dict[str, torch.Tensor]:

@@ -11,7 +11,6 @@ document-masking switches is told so, and --dry-run of configs/tiny.yaml plans t
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +19,7 @@ from megazero.checkpoint.load import merge_config
 from megazero.checkpoint.overridable import document_change_line
 from megazero.config import ConfigError
 from megazero.run_plan import RunPlan
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, run_python
 from tests.helpers.tool_module import load_tool
 
 
@@ -89,8 +88,8 @@ def test_a_resume_without_the_document_switches_is_told_so(tmp_path):
 
 
 def _dry_run(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", *flags], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    return run_python(["pretrain_gpt.py", "--dry-run", *flags], timeout=120,
+                      env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
 
 
 def test_dry_run_of_the_tiny_preset_plans_the_default_corpus_vocabulary():

@@ -9,15 +9,13 @@ the same field check, so all three are covered here.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from megazero.arguments import parse_config
 from megazero.config import Config, ConfigError
 from megazero.optimizer.lr import LRSchedule
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, run_python
 
 
 def _from_yaml(tmp_path, text: str, *flags: str) -> Config:
@@ -106,9 +104,8 @@ def test_a_preset_with_a_float_written_without_a_dot_trains(tmp_path):
     preset.write_text("arch: gpt2\nnum_layers: 1\nhidden_size: 32\nnum_attention_heads: 2\nseq_length: 16\n"
                       "micro_batch_size: 2\nglobal_batch_size: 2\ntrain_iters: 2\nlr: 3e-4\nmin_lr: 3e-5\n"
                       "lr_decay_style: linear\nlog_interval: 1\ndevice: cpu\n")
-    r = subprocess.run([sys.executable, "pretrain_gpt.py", "--config", str(preset), "--metrics-file", str(metrics)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300, env={"PYTHONPATH": ROOT,
-                                                                                   "PATH": "/usr/bin:/bin"})
+    r = run_python(["pretrain_gpt.py", "--config", str(preset), "--metrics-file", str(metrics)],
+                   env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     logged = [row["lr"] for row in map(json.loads, metrics.read_text().splitlines()) if "iteration" in row]
     flags, _ = parse_config(["--lr", "3e-4", "--min-lr", "3e-5", "--lr-decay-style", "linear", "--train-iters", "2"])

@@ -15,7 +15,6 @@ import io
 import json
 import math
 import subprocess
-import sys
 
 import pytest
 
@@ -23,7 +22,7 @@ from megazero.arguments import parse_config
 from megazero.config import Config, ConfigError
 from megazero.optimizer.lr import LRSchedule
 from megazero.training.metrics import MetricsLog
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, run_python
 
 BAD = [  # (flags, the flag the one line must name)
     (["--eval-iters", "0", "--eval-interval", "5"], "--eval-iters"),
@@ -150,8 +149,7 @@ def test_schedule_never_jumps_from_peak_to_min():
 
 
 def _pretrain(*flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "pretrain_gpt.py", *flags], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
+    return run_python(["pretrain_gpt.py", *flags], timeout=120, env={"PYTHONPATH": ROOT, "PATH": "/usr/bin:/bin"})
 
 
 @pytest.mark.parametrize("flags,words", [(["--dp", "4"], "--dp 4 only applies with --dry-run"),

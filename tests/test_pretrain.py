@@ -96,11 +96,8 @@ def test_bad_input_fails_fast_with_one_line(nproc, flags, words):
 
 def test_trains_from_preprocessed_data_with_tp_pp_dp(tmp_path):
     """The user's path: train a tokenizer and preprocess JSONL with the tools, then tp=2 x pp=2 x dp=2."""
-    import subprocess
-    import sys
-
     from megazero.data.corpus import corpus_documents
-    from tests.helpers.launch import ROOT
+    from tests.helpers.launch import run_python
 
     docs = corpus_documents(max_bytes=300_000)
     with open(tmp_path / "docs.jsonl", "w") as fh:
@@ -111,7 +108,7 @@ def test_trains_from_preprocessed_data_with_tp_pp_dp(tmp_path):
              ["tools/preprocess_data.py", "--input", str(tmp_path / "docs.jsonl"), "--output-prefix",
               str(tmp_path / "corpus"), "--tokenizer-model", str(tmp_path / "tok.model"), "--workers", "2"]]
     for tool in tools:
-        out = subprocess.run([sys.executable, *tool], cwd=ROOT, capture_output=True, text=True)
+        out = run_python(tool)
         assert out.returncode == 0, out.stderr[-2000:]
     flags = [*SMALL, "--num-layers", "4", "--tp", "2", "--pp", "2", "--data-path", str(tmp_path / "corpus"),
              "--tokenizer-model", str(tmp_path / "tok.model"), "--train-iters", "6",

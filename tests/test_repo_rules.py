@@ -277,3 +277,32 @@ def test_fresh_interpreters_only_where_the_process_is_the_subject():
     assert used <= FRESH_LAUNCHERS, ("launch(..., fresh=True) outside the listed files; fork the ranks (the default) "
                                      f"or add the file to FRESH_LAUNCHERS with why: {sorted(used - FRESH_LAUNCHERS)}")
     assert FRESH_LAUNCHERS <= used, f"listed but no longer fresh: {sorted(FRESH_LAUNCHERS - used)}"
+
+
+# Files that start a fresh interpreter themselves (``sys.executable`` in a subprocess), each for why the process
+# is the subject; every other tool or script run goes through ``tests/helpers/launch.py:run_python``, a forked
+# child of the test forkserver (3-4 CPU-seconds of interpreter start and imports saved a run).
+FRESH_INTERPRETERS = {
+    "tests/checkpoint/test_async_save.py",  # SIGKILL of a writer mid-save
+    "tests/checkpoint/test_resume.py",  # ranks stopped by SIGTERM mid-run
+    "tests/checkpoint/test_safety.py",  # SIGKILL mid-write
+    "tests/data/test_hf_tokenizer.py",  # runs under setpriv (dropped capabilities need an exec)
+    "tests/parallel/test_two_nodes.py",  # torchrun agents in network namespaces
+    "tests/training/test_folder_ownership.py",  # another process holding the folders, a second job
+    "tests/training/test_host_memory.py",  # glibc's allocator state of a new process is what is measured
+    "tests/training/test_orderly_stop.py",  # signals to a run
+    "tests/training/test_restart.py",  # elastic agents restarting killed workers
+    "tests/training/test_robustness.py",  # killed ranks, torchrun ending the job
+    "tests/training/test_run_messages.py",  # torchrun's own summary of a failing job
+    "tests/training/test_run_starts.py",  # a run stopped by SIGINT
+    "tests/test_cpu_meter.py",  # a child process's CPU time is what is counted
+}
+
+
+def test_tool_runs_fork_unless_the_process_is_the_subject():
+    used = {str(path.relative_to(ROOT)) for path in sorted(TESTS.rglob("*.py"))
+            if path.name not in ("launch.py", "test_repo_rules.py") and "sys.executable" in path.read_text()}
+    assert used <= FRESH_INTERPRETERS, ("a fresh interpreter (sys.executable) outside the listed files; run the tool "
+                                        "with tests.helpers.launch.run_python, or add the file to FRESH_INTERPRETERS "
+                                        f"with why: {sorted(used - FRESH_INTERPRETERS)}")
+    assert FRESH_INTERPRETERS <= used, f"listed but no longer fresh: {sorted(FRESH_INTERPRETERS - used)}"

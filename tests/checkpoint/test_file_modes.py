@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 
 from megazero.checkpoint import storage
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, run_python
 
 TINY = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--log-interval", "1",
@@ -38,8 +36,11 @@ def _train(tmp_path, umask: int, save: str, *flags: str) -> None:
 
 
 def _convert(umask: int, *args: str) -> None:
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), *args],
-                          cwd=ROOT, capture_output=True, text=True, umask=umask, timeout=300)
+    previous = os.umask(umask)  # the forked child carries the caller's umask, as subprocess.run(umask=) set it
+    try:
+        done = run_python(["tools/convert_checkpoint.py", *args])
+    finally:
+        os.umask(previous)
     assert done.returncode == 0, done.stderr[-3000:]
 
 

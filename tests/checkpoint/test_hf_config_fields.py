@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from megazero.checkpoint.hf import model_config_from_hf
 from megazero.config import ConfigError, ModelConfig
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext, rotary_inv_freq
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, run_python
 from tests.helpers.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +77,7 @@ def _edited(src, dst, changes: dict, drop: tuple = ()) -> str:
 
 
 def _convert(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return run_python([TOOL, *args])
 
 
 @pytest.mark.parametrize("arch,cases,drop", [

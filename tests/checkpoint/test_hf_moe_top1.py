@@ -9,9 +9,7 @@ model is still refused in one line saying why (the router gets no gradient). The
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,7 +20,7 @@ from megazero.data import build_data
 from megazero.data.sampler import MicroBatchIterator
 from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
-from tests.helpers.launch import ROOT, launch, metrics_records
+from tests.helpers.launch import launch, metrics_records, run_python
 from tests.helpers.reference import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -42,8 +40,7 @@ PROMPT, NEW_TOKENS = "Return the number of", 16
 
 
 def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", f"{name}.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    return run_python([f"tools/{name}.py", *args])
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import launch, run_python
 
 LLAMA = ["--arch", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--num-query-groups", "2", "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
@@ -134,9 +132,8 @@ def test_converted_hf_checkpoint_trains_in_any_layout(tmp_path):
         ("tp2pp2", ["--tp", "2", "--pp", "2"], [(4, ["--tp", "2", "--pp", "2"]), (1, [])]),
         ("default", [], [(1, []), (2, ["--tp", "2"])]),
     ]:
-        out = subprocess.run([sys.executable, os.path.join(ROOT, "tools/convert_checkpoint.py"), "--input",
-                              str(tmp_path / "hf"), "--output", str(tmp_path / name), "--to", "megazero",
-                              *convert_flags], capture_output=True, text=True)
+        out = run_python(["tools/convert_checkpoint.py", "--input", str(tmp_path / "hf"), "--output",
+                          str(tmp_path / name), "--to", "megazero", *convert_flags])
         assert out.returncode == 0, out.stderr
         for nproc, layout in runs:
             run_name = f"{name}-on-{nproc}-{'-'.join(layout)}"

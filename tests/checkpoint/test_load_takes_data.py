@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -27,7 +25,7 @@ from megazero.arguments import parse_config
 from megazero.checkpoint import storage
 from megazero.checkpoint.load import merge_config
 from megazero.config import ConfigError
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import launch, run_python
 from tests.helpers.text_docs import make_docs
 from tests.helpers.tool_module import load_tool
 
@@ -66,7 +64,7 @@ def trained(tmp_path_factory):
                   "--vocab-size", "300", "--model-type", "byte-bpe"],
                  ["tools/preprocess_data.py", "--input", os.path.join(user, "docs.txt"), "--output-prefix", data,
                   "--tokenizer-model", tokenizer]):
-        out = subprocess.run([sys.executable, *tool], cwd=ROOT, capture_output=True, text=True)
+        out = run_python(tool)
         assert out.returncode == 0, out.stderr[-2000:]
     ckpt = os.path.join(tmp, "ckpt")
     records, evals, _, _ = _pretrain(tmp, "straight", [*SMALL, "--data-path", data, "--tokenizer-model", tokenizer,
@@ -158,16 +156,16 @@ def test_hf_round_trip_keeps_the_tokenizer_and_a_preset_yields(trained, exported
     assert os.path.isfile(os.path.join(copy, "tokenizer_config.json"))  # its special tokens, beside it
     assert convert.main(["--input", moved, "--output", os.path.join(tmp, "hf-again"), "--to", "hf"]) == 0
     assert os.path.isfile(os.path.join(tmp, "hf-again", "tokenizer.json"))  # an export of the import ships it
-    generated = subprocess.run([sys.executable, "tools/generate.py", "--load", moved, "--prompt", "Hello there",
-                                "--max-new-tokens", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    generated = run_python(["tools/generate.py", "--load", moved, "--prompt", "Hello there", "--max-new-tokens", "2"],
+                           timeout=120)
     assert generated.returncode == 0 and generated.stdout.startswith("Hello there"), generated.stderr[-2000:]
 
     _, _, _, error = _pretrain(tmp, "import-without-data", [*SMALL, "--load", moved, "--finetune"], ok=False)
     assert "records no training data" in error and "pass --data-path" in error, error
     preset = ["--config", "configs/tiny.yaml", "--train-iters", "2", "--micro-batch-size", "2",
               "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1", "--finetune"]
-    planned = subprocess.run([sys.executable, "pretrain_gpt.py", "--dry-run", *preset, "--load", moved, "--data-path",
-                              data, "--memory-budget-gb", "8"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    planned = run_python(["pretrain_gpt.py", "--dry-run", *preset, "--load", moved, "--data-path", data,
+                          "--memory-budget-gb", "8"], timeout=120)
     assert planned.returncode == 0, planned.stderr[-2000:]  # --dry-run plans the checkpoint's model too
     from_hf, _, out, _ = _pretrain(tmp, "import-finetuned", [*preset, "--load", moved, "--data-path", data])
     assert ("megazero: the checkpoint's model replaces what the --config preset set: --num-layers 2 (the preset's "

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megazero.parallel.state import free_port
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, run_python
 from tests.helpers.reference import full_logits
 
 SMALL = ["--arch", "gpt2", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -85,9 +85,8 @@ def test_converted_checkpoint_matches_megazero_logits(reference, tmp_path):
     from megazero.model.transformer import TPContext
 
     tmp, _, _ = reference
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools/convert_checkpoint.py"), "--input",
-                          os.path.join(tmp, "ckpt"), "--output", str(tmp_path / "hf"), "--to", "hf"],
-                         capture_output=True, text=True)
+    out = run_python(["tools/convert_checkpoint.py", "--input", os.path.join(tmp, "ckpt"), "--output",
+                      str(tmp_path / "hf"), "--to", "hf"])
     assert out.returncode == 0, out.stderr
     cfg, state = read_full_state(os.path.join(tmp, "ckpt"), tp=1)
     model = GPTModel(cfg.model, TPContext()).eval()

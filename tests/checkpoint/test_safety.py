@@ -11,7 +11,7 @@ import torch
 
 from megazero.checkpoint import storage
 from megazero.run_plan import RunPlan
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, run_python
 from tests.helpers.reference import full_logits
 from tests.helpers.serial_ckpt import build, load, save
 
@@ -82,9 +82,8 @@ def test_trained_llama_converts_to_hf(tmp_path):
              "--num-query-groups", "2", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
              "--train-iters", "3", "--tp", "2", "--save", str(tmp_path / "ckpt")]
     assert all(r.returncode == 0 for r in launch("pretrain_gpt.py", flags, 2))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools/convert_checkpoint.py"), "--input",
-                          str(tmp_path / "ckpt"), "--output", str(tmp_path / "hf"), "--to", "hf"],
-                         capture_output=True, text=True)
+    out = run_python(["tools/convert_checkpoint.py", "--input", str(tmp_path / "ckpt"), "--output",
+                      str(tmp_path / "hf"), "--to", "hf"])
     assert out.returncode == 0, out.stderr
     cfg, state = read_full_state(str(tmp_path / "ckpt"), tp=1)
     model = GPTModel(cfg.model, TPContext()).eval()

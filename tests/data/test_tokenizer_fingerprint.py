@@ -7,8 +7,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -20,7 +18,7 @@ from megazero.data.preprocess import preprocess_files, write_token_files
 from megazero.data.tokenizer import load_tokenizer, train_sentencepiece
 from megazero.data.tokenizer_check import check_fingerprints
 from tests.helpers.hf_tokenizers import byte_level_tokenizer
-from tests.helpers.launch import launch
+from tests.helpers.launch import launch, run_python
 from tests.helpers.text_docs import make_docs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -35,9 +33,8 @@ def _sha256_of_pieces(pieces: list[str | None]) -> str:
 
 
 def _preprocess_cli(text_file: str, prefix: str, tokenizer: str) -> None:
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", text_file,
-                           "--output-prefix", prefix, "--tokenizer-model", tokenizer],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    proc = run_python([os.path.join(REPO, "tools", "preprocess_data.py"), "--input", text_file, "--output-prefix",
+                       prefix, "--tokenizer-model", tokenizer], env={**os.environ, "PYTHONPATH": REPO})
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 from megazero.data.indexed import IndexedDataset, IndexedDatasetWriter
 from megazero.data.preprocess import preprocess_files
 from megazero.data.tokenizer import Tokenizer, train_sentencepiece
+from tests.helpers.launch import run_python
 from tests.helpers.text_docs import make_docs
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
@@ -181,8 +181,7 @@ def test_cli_errors_in_process(tmp_path, capsys: pytest.CaptureFixture) -> None:
 def test_cli_subprocess_no_traceback(tmp_path, tool: str) -> None:
     args = {"train_tokenizer.py": ["--model-prefix", "p", "--vocab-size", "50"],
             "preprocess_data.py": ["--output-prefix", "o", "--tokenizer-model", "t.model"]}[tool]
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", tool), "--input", "missing.jsonl", *args],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_python([os.path.join(REPO, "tools", tool), "--input", "missing.jsonl", *args], cwd=str(tmp_path))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr

@@ -6,16 +6,19 @@ exit code and output are returned, so tests can check each one. By default a
 rank is a child of the test forkserver with torch and megazero already imported
 (``forked_ranks.py``); ``fresh=True`` starts a new interpreter (``Popen``), for
 tests whose subject is the process itself (signals, restarts, process groups).
+``run_python`` is ``subprocess.run([sys.executable, *argv])`` the same way, for one tool run.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 
 from megazero.parallel.state import free_port
-from tests.helpers.forked_ranks import run_forked
+from tests.helpers.forked_ranks import MODULE, run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,6 +55,31 @@ def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
             if p.poll() is None:
                 p.kill()
     return results
+
+
+def run_python(argv: list[str], *, cwd: str = ROOT, env: dict[str, str] | None = None, timeout: float = 300,
+               input: str | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`` as a forked child of
+    the test forkserver: ``argv`` is ``["tools/x.py", *args]`` (relative to ``cwd``) or ``["-m", "pkg.mod",
+    *args]``. ``env`` replaces the environment (None: a copy of this one); ``input`` is fed on stdin (else
+    /dev/null). For runs whose subject is the tool's exit code and output; a fresh interpreter
+    (``subprocess.run``) stays only where ``tests/test_repo_rules.py`` lists why."""
+    if argv[0] == "-m":
+        script, args = MODULE + argv[1], argv[2:]
+    else:
+        script, args = os.path.join(cwd, argv[0]), argv[1:]
+    with tempfile.TemporaryDirectory(prefix="stdin-") as tmp:
+        stdin = os.devnull
+        if input is not None:
+            stdin = os.path.join(tmp, "stdin")
+            with open(stdin, "w") as f:
+                f.write(input)
+        started = time.monotonic()
+        [(code, out, err)] = run_forked(script, [dict(os.environ if env is None else env)], args, cwd, timeout,
+                                        stdin=stdin)
+    if code == -9 and time.monotonic() - started >= timeout:
+        raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, out, err)
+    return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
 
 
 def metrics_records(metrics, args: list[str], nproc: int, timeout: float = 300) -> list[dict]:

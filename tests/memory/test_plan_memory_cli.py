@@ -9,8 +9,6 @@ a flag only ZeRO 3 takes is valid with ``--zero-stages 3`` and refused in one li
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -19,7 +17,7 @@ from megazero.memory import GIB, plan_for_run, planned_world
 from megazero.memory import recompute_choice
 from megazero.config import RECOMPUTE_MODES as MODES
 from megazero.memory.recompute_choice import MARGIN
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import ROOT, run_python
 from tests.helpers.tool_module import load_tool
 
 TINY = ["--config", "configs/tiny.yaml", "--vocab-size", "8000", "--tp", "2", "--dp", "2"]  # recompute: auto
@@ -116,8 +114,8 @@ def test_the_search_holds_the_degrees_given(tool):
 
 def test_the_held_degrees_are_said_and_what_cannot_fit_is_one_line(tool, capsys):
     """As a user runs it: the table says what it held; degrees the GPUs cannot take are refused before searching."""
-    held = subprocess.run([sys.executable, "tools/plan_memory.py", *SEARCH[:4], "--gpus", "8", "--top", "3", "--tp",
-                           "2", "--pp", "2"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    held = run_python(["tools/plan_memory.py", *SEARCH[:4], "--gpus", "8", "--top", "3", "--tp", "2", "--pp", "2"],
+                      timeout=120)
     assert held.returncode == 0 and held.stdout.splitlines()[1] == (
         "held as given: --tp 2 --pp 2; every listed layout has them"), held.stdout + held.stderr
     rows = [line.split() for line in held.stdout.splitlines()[3:]]

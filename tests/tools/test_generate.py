@@ -8,14 +8,11 @@ The weights are drawn with a wide init (std 0.2) so the next-token margins are f
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import launch, run_python
 from tests.helpers.tool_module import load_tool
 
 transformers = pytest.importorskip("transformers")
@@ -79,9 +76,7 @@ def test_sampling_repeats_with_a_seed_and_top_k_1_is_greedy(saved, capsys):
 
 def test_a_missing_load_folder_is_one_line(tmp_path):
     """Run as a user would: exit 2 with one line on stderr."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load",
-                           str(tmp_path / "nope"), "--prompt", "x"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_python(["tools/generate.py", "--load", str(tmp_path / "nope"), "--prompt", "x"], timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stderr.strip() == (f"generate.py: error: --load {str(tmp_path / 'nope')!r} does not exist or is not "
                                    "a folder; pass the --save folder of a training run")
@@ -115,8 +110,7 @@ def test_sampling_flags_without_a_temperature_are_refused(tmp_path, capsys, flag
 
 
 def test_a_sampling_flag_without_a_temperature_is_one_line_from_the_command_line(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "generate.py"), "--load", str(tmp_path),
-                           "--prompt", "x", "--top-k", "5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = run_python(["tools/generate.py", "--load", str(tmp_path), "--prompt", "x", "--top-k", "5"], timeout=120)
     assert proc.returncode == 2 and proc.stdout == "", (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stderr.strip() == ("generate.py: error: --top-k 5 only applies when sampling; pass --temperature T > 0 "
                                    "to sample, or drop --top-k for greedy decoding (--temperature 0, the default)")

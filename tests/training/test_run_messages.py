@@ -24,6 +24,7 @@ from megazero.data.gpt_dataset import split_documents
 from megazero.run_plan import RunPlan
 from megazero.training.progress import Progress, clock_time
 from megazero.training.startup_report import HEADER, config_lines, offload_line, write_config
+from tests.helpers.forked_ranks import run_forked
 from tests.helpers.launch import ROOT, launch
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
@@ -224,16 +225,13 @@ def test_every_rank_exits_2_and_records_the_line_printed_once(tmp_path):
     env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "PYTHONPATH": ROOT,
            "OMP_NUM_THREADS": "1"}
     files = [tmp_path / "attempt_0" / str(rank) / "error.json" for rank in range(2)]
-    procs = []
-    for rank, error_file in enumerate(files):
+    for error_file in files:
         error_file.parent.mkdir(parents=True)
-        procs.append(subprocess.Popen([sys.executable, "pretrain_gpt.py", *SMALL, "--tp", "3"], cwd=ROOT,
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
-                                           "TORCHELASTIC_ERROR_FILE": str(error_file)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=GUARD) for p in procs]
-    assert [p.returncode for p in procs] == [2, 2]
-    printed = [line for _, err in outputs for line in err.splitlines()]
+    ranks = run_forked(os.path.join(ROOT, "pretrain_gpt.py"),
+                       [{**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "TORCHELASTIC_ERROR_FILE": str(error_file)}
+                        for rank, error_file in enumerate(files)], [*SMALL, "--tp", "3"], ROOT, GUARD)
+    assert [code for code, _, _ in ranks] == [2, 2]
+    printed = [line for _, _, err in ranks for line in err.splitlines()]
     assert printed == [BAD_TP]  # once, and no traceback
     for error_file in files:
         assert json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"] == BAD_TP

@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 from megazero.parallel.state import ParallelState
-from tests.helpers.launch import ROOT
+from tests.helpers.launch import run_python
 from tests.helpers.optimizer_harness import make_cfg, train
 
 
@@ -20,8 +18,7 @@ def record(folder, monkeypatch, lr: float) -> None:
 
 
 def compare(a, b) -> int:
-    return subprocess.run([sys.executable, os.path.join(ROOT, "tools", "compare_step_records.py"), str(a), str(b)],
-                          capture_output=True, text=True).returncode
+    return run_python(["tools/compare_step_records.py", str(a), str(b)]).returncode
 
 
 def test_identical_runs_match_and_a_changed_one_does_not(tmp_path, monkeypatch):

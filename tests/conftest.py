@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -11,7 +13,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def pytest_collection_modifyitems(config, items):
     """Tiers from what each test uses; tests marked ``cuda`` need a GPU, and on a CPU-only machine are skipped."""
-    import pytest
     import torch
 
     _mark_tiers(items)
@@ -25,8 +26,6 @@ def pytest_collection_modifyitems(config, items):
 
 def _mark_tiers(items):
     """Mark each test ``launch`` or ``spawn`` by what its module uses (``tests/helpers/tiers.py``)."""
-    import pytest
-
     from tests.helpers.tiers import tier_of
 
     tiers: dict = {}
@@ -36,3 +35,49 @@ def _mark_tiers(items):
             tiers[path] = tier_of(path)
         if tiers[path]:
             item.add_marker(getattr(pytest.mark, tiers[path]))
+
+
+# --cpu-report N: CPU-seconds per test and tier (tests/helpers/cpu_meter.py); .ci/run prints it beside --durations.
+_CPU_COSTS: list[tuple[str, str, float]] = []  # (nodeid, tier, CPU-seconds) from the teardown reports (xdist's too)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-report", type=int, default=0, metavar="N",
+                     help="print the suite's CPU-seconds, per tier and for the N costliest tests")
+
+
+_CPU_START = pytest.StashKey[float]()
+
+
+def pytest_runtest_setup(item):
+    from tests.helpers.cpu_meter import cpu_now
+
+    item.stash[_CPU_START] = cpu_now()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown" and _CPU_START in item.stash:
+        from tests.helpers.cpu_meter import KEY, cpu_now
+
+        item.user_properties.append((KEY, cpu_now() - item.stash[_CPU_START]))
+    yield
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        from tests.helpers.cpu_meter import KEY, tier
+
+        cost = dict(report.user_properties).get(KEY)
+        if cost is not None:
+            _CPU_COSTS.append((report.nodeid, tier(report.keywords), cost))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    top = config.getoption("--cpu-report")
+    if top and _CPU_COSTS:
+        from tests.helpers.cpu_meter import summary
+
+        terminalreporter.write_sep("=", "CPU-seconds, each test's own processes included (tests/helpers/cpu_meter.py)")
+        for line in summary(_CPU_COSTS, top):
+            terminalreporter.write_line(line)

@@ -24,10 +24,17 @@ import statistics
 import sys
 from typing import Any, NamedTuple
 
-import matplotlib
-from matplotlib.figure import Figure  # a bare Figure draws with Agg: no pyplot state, no display needed
-from matplotlib.lines import Line2D
-from matplotlib.ticker import EngFormatter
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir)))
+
+from megazero.optional import require  # noqa: E402
+
+try:
+    import matplotlib
+    from matplotlib.figure import Figure  # a bare Figure draws with Agg: no pyplot state, no display needed
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import EngFormatter
+except ImportError:  # the plot extra is not installed: main() says how to install it
+    matplotlib = None
 
 PANELS = (  # (title, which records, field, y label, y scale)
     ("training loss", "train", "loss", "lm loss", "linear"),
@@ -191,6 +198,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    try:
+        require("matplotlib", "tools/plot_metrics.py")
+    except ValueError as err:
+        print(f"plot_metrics.py: error: {err}", file=sys.stderr)
+        return 2
     labels = args.labels or [os.path.basename(os.path.dirname(os.path.abspath(p))) for p in args.metrics]
     try:
         if len(labels) != len(args.metrics):

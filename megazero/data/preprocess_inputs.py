@@ -12,6 +12,8 @@ import glob
 import os
 from typing import Sequence
 
+from ..optional import require
+
 _JSON_EXTS = (".json", ".jsonl", ".ndjson")
 _DISK_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
@@ -80,6 +82,7 @@ def _check_column(ds, key: str, inputs: Sequence[str]) -> None:  # ds: datasets.
 
 def load_inputs(inputs: Sequence[str], key: str, cache_dir: str):  # -> (datasets.Dataset, str)
     """The documents of ``inputs`` as one dataset and the column that holds their text."""
+    require("datasets", "tools/preprocess_data.py (reading --input)")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import datasets

@@ -1,4 +1,7 @@
-"""Start-up checks of the paths a run will write to, so a bad one fails in one line, not after training.
+"""Start-up checks of what a run will write with, so a bad one fails in one line, not after training.
+
+The packages its outputs need (``check_optional_packages``: wandb, tensorboard) are checked with the config,
+before the process group. For the paths:
 
 Rank 0 creates each output folder (or a file's parent folder) and writes and
 deletes a small file there; the verdict is broadcast so every rank raises the
@@ -15,7 +18,18 @@ import tempfile
 import torch.distributed as dist
 
 from ..config import Config
+from ..optional import require
 from ..pipeline.timeline import rank_path
+from .wandb_log import resolve_mode
+
+
+def check_optional_packages(cfg: Config) -> None:
+    """A logging flag whose package (an extra, ``megazero/optional.py``) is not installed: one ValueError."""
+    lg = cfg.logging
+    if lg.wandb_project and resolve_mode(lg.wandb_mode) != "disabled":
+        require("wandb", f"--wandb-project {lg.wandb_project}")
+    if lg.tensorboard_dir:
+        require("tensorboard", f"--tensorboard-dir {lg.tensorboard_dir}")
 
 
 def output_paths(cfg: Config) -> list[tuple[str, str]]:

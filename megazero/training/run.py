@@ -41,7 +41,7 @@ from .host_memory import keep_freed_host_memory
 from .metrics import MetricsLog
 from .ownership import own_folders
 from .parallelize import TrainingModel, Weights, build_training_model
-from .preflight import check_output_paths
+from .preflight import check_optional_packages, check_output_paths
 from .run_identity import RunIdentity
 from .startup_report import LoadTimer, report_model, report_start
 from .trainer import Trainer
@@ -56,6 +56,7 @@ def validate(cfg: Config, world_size: int, ranks_per_node: int | None = None) ->
     as torchrun numbers them, so a TP group that would span nodes is refused here.
     """
     cfg.refuse_inapplicable()  # what parsing left for a --load checkpoint's model (``Config.from_flat``)
+    check_optional_packages(cfg)  # --wandb-project / --tensorboard-dir without their package
     if not cfg.checkpoint.skip_train:  # a model that cannot train still evaluates
         cfg.model.check_trainable()
     plan = RunPlan.resolve(cfg, world_size)

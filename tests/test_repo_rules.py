@@ -92,7 +92,7 @@ PACKAGE = ROOT / "megazero"
 # never of its layer's other parts or of a higher one (``data_parallel`` never imports ``optimizer``;
 # nothing but ``training`` imports ``training``). A part is a subpackage or a top-level module.
 LAYERS = (
-    {"config_fields", "dtypes"}, {"moe_config"}, {"model_config", "parallel_config"}, {"config"},
+    {"config_fields", "dtypes", "optional"}, {"moe_config"}, {"model_config", "parallel_config"}, {"config"},
     {"parallel"}, {"tensor_parallel", "context_parallel"}, {"run_plan"}, {"moe"},
     {"model"}, {"pipeline"}, {"data_parallel"}, {"optimizer"}, {"data"},
     {"memory", "checkpoint"}, {"training"}, {"arguments"},

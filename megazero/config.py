@@ -47,6 +47,11 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # the one home of the recompute
 _OFFLOAD_FLAGS = dict(zip(("device", "host", "disk"), OFFLOAD_FLAGS))  # Placement value -> flag word
 
 
+OPTIMIZERS = ("adamw", "muon")
+MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn names
+_WITH_MUON = Needs("--optimizer muon", ("optimizer",), lambda name: name == "muon")
+
+
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
     lr: float = opt(3e-4, "Peak learning rate.", at_least=0)
@@ -58,11 +63,27 @@ class OptimizerConfig:
     lr_decay_style: str = opt("cosine", "LR decay shape.", choices=("constant", "linear", "cosine", "wsd"))
     lr_wsd_decay_fraction: float = opt(0.2, "For wsd: fraction of decay iterations spent in the final decay.",
                                        at_least=0, at_most=1, applies=when("lr_decay_style", "wsd"))
-    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and norm weights).", at_least=0)
+    weight_decay: float = opt(0.01, "Decoupled weight decay of AdamW, and of Muon with --optimizer muon (not applied "
+                              "to biases and norm weights).", at_least=0)
     adam_beta1: float = opt(0.9, "AdamW beta1.", at_least=0, below=1)
     adam_beta2: float = opt(0.95, "AdamW beta2.", at_least=0, below=1)
     adam_eps: float = opt(1e-8, "AdamW epsilon.", above=0)
     clip_grad: float = opt(1.0, "Clip the global gradient L2 norm to this; 0 disables clipping.", at_least=0)
+    optimizer: str = opt("adamw", "adamw, or muon: Newton-Schulz-orthogonalised momentum for the hidden weight "
+                         "matrices, AdamW for the embeddings, output head, norms and biases (docs/optimizers.md).",
+                         choices=OPTIMIZERS)
+    muon_momentum: float = opt(0.95, "Muon's momentum coefficient mu.", at_least=0, below=1, applies=_WITH_MUON)
+    muon_nesterov: bool = opt(True, "Muon orthogonalises the Nesterov direction lerp(grad, momentum, mu); "
+                              "--no-muon-nesterov: the momentum itself.", applies=_WITH_MUON)
+    muon_ns_steps: int = opt(5, "Newton-Schulz iterations per matrix and step.", at_least=1, at_most=99,
+                             applies=_WITH_MUON)
+    muon_lr_adjust: str = opt("original", "Muon's per-matrix lr: original (torch's default) lr * sqrt(max(1, "
+                              "out/in)); match_rms_adamw (Moonlight's) lr * 0.2 * sqrt(max(out, in)), an update RMS "
+                              "like AdamW's, for reusing AdamW's lr and weight decay.",
+                              choices=MUON_LR_ADJUSTMENTS, applies=_WITH_MUON)
+    muon_adam_lr: float | None = opt(None, "Peak lr of the parameters AdamW trains beside Muon (it follows the "
+                                     "--lr schedule, scaled by --muon-adam-lr / --lr); None = --lr.", at_least=0,
+                                     applies=_WITH_MUON)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -73,6 +94,16 @@ class OptimizerConfig:
                 or self.warmup_iters(self.lr_decay_iters) < self.lr_decay_iters,
                 f"the warm-up ({warmup}) must end before --lr-decay-iters ({self.lr_decay_iters}), or the LR "
                 f"jumps from its peak to --min-lr; shorten the warm-up or raise --lr-decay-iters.")
+        require(self.muon_adam_lr is None or self.lr > 0,
+                "--muon-adam-lr follows the --lr schedule, which --lr 0 keeps at zero; pass --lr > 0 or drop "
+                "--muon-adam-lr.")
+
+    def adam_lr(self, lr: float) -> float:
+        """The lr of the AdamW-trained parameters at a step whose scheduled lr is ``lr``: with --optimizer muon and
+        --muon-adam-lr, that peak lr on the --lr schedule's shape; else ``lr`` itself."""
+        if self.optimizer != "muon" or self.muon_adam_lr is None:
+            return lr
+        return self.muon_adam_lr if lr == self.lr else lr * (self.muon_adam_lr / self.lr)
 
     def warmup_iters(self, decay_iters: int) -> int:
         """Warm-up iterations: --lr-warmup-fraction of the decay span when given, else --lr-warmup-iters."""
@@ -216,8 +247,9 @@ class CheckpointConfig:
                          "from --seed; the checkpoint's model, data and tokenizer settings still apply.",
                          applies=_WITH_LOAD)
     load_optim: bool = opt(True, "--no-load-optim: keep the checkpoint's iteration and data position but start the "
-                           "optimizer fresh (fp32 master weights from the loaded weights, zero Adam moments, the "
-                           "initial loss scale); the LR schedule follows the iteration.", applies=_WITH_LOAD)
+                           "optimizer fresh (fp32 master weights from the loaded weights, zero Adam moments and "
+                           "Muon momentum, the initial loss scale); the LR schedule follows the iteration.",
+                           applies=_WITH_LOAD)
     load_rng: bool = opt(True, "--no-load-rng: do not restore the checkpoint's random generators; they start from "
                          "--seed as in a new run.", applies=_WITH_LOAD)
     skip_train: bool = opt(False, "Evaluate the --load checkpoint on --eval-iters batches of the validation split "
@@ -301,6 +333,23 @@ class Config:
         """Refuse a setting given that cannot apply to this run, except those that depend on ``pending`` ones."""
         check_applicable([getattr(self, section) for section in SECTIONS], self.explicit, pending)
         self.model.refuse_idle_balancing(self.explicit, pending)  # a balancing loss given without its weight
+        self.refuse_unbuilt_muon()
+
+    def refuse_unbuilt_muon(self) -> None:
+        """--optimizer muon runs exactly at ZeRO 0-2 with data and tensor (and sequence) parallelism; the layouts
+        and features it is not built for yet are refused here, one line naming the flag, not run wrong."""
+        if self.optimizer.optimizer != "muon":
+            return
+        p, m = self.parallel, self.model
+        unbuilt = [  # (refused, the setting as given, what to pass instead)
+            (p.zero == 3, "--zero 3", "--zero 0, 1 or 2"),
+            (p.offload_optimizer != "none", f"--offload-optimizer {p.offload_optimizer}", "--offload-optimizer none"),
+            (p.pp > 1, f"--pp {p.pp}", "--pp 1"), (p.cp > 1, f"--cp {p.cp}", "--cp 1"),
+            (p.ep > 1, f"--ep {p.ep}", "--ep 1"),
+            (m.num_experts is not None, f"--num-experts {m.num_experts}", "a dense model (no --num-experts)")]
+        for refused, setting, instead in unbuilt:
+            require(not refused, f"--optimizer muon is not built for {setting} yet (docs/optimizers.md#status); "
+                                 f"pass {instead}, or --optimizer adamw.")
 
     def updated(self, **settings: Any) -> "Config":
         """A copy with these flat settings changed; every changed section validates itself again."""

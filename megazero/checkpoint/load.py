@@ -124,11 +124,23 @@ def _model_values(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: flat.get(k, default) for k, default in defaults.items()}  # an older checkpoint lacks newer fields
 
 
+def refuse_other_optimizer(meta: dict[str, Any], cfg: Config) -> None:
+    """An optimizer state is loaded only into the optimizer that saved it: AdamW's moments are not Muon's momentum
+    (nor the reverse), so a resume across the two is refused unless it starts the optimizer fresh."""
+    ck = cfg.checkpoint
+    saved, wanted = meta["config"].get("optimizer", "adamw"), cfg.optimizer.optimizer
+    if saved != wanted and ck.load_optim and not ck.finetune and not ck.skip_train:
+        raise ConfigError(f"--optimizer {wanted} cannot load the {saved} optimizer state of --load {ck.load}; pass "
+                          f"--no-load-optim to start {wanted}'s state fresh from the loaded weights, or --optimizer "
+                          f"{saved}.")
+
+
 def merge_config(meta: dict[str, Any], cfg: Config) -> tuple[Config, list[str]]:
     """The run's config with the model taken from the checkpoint unless typed as a flag (as Megatron's
     --use-checkpoint-args); a typed setting that contradicts it is an error, while one that only the --config
     preset gave yields to the checkpoint's (``overridable.preset_yield_line`` names those). Returns the new
     Config and the settings the checkpoint changed. Layout and run-time settings stay the run's."""
+    refuse_other_optimizer(meta, cfg)
     saved, run = _model_values(meta["config"]), cfg.to_flat()
     typed = cfg.typed
     given = typed | (cfg.explicit & set(OVERRIDABLE_KEYS))  # a preset's training setting still applies

@@ -34,11 +34,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import MUON_LR_ADJUSTMENTS, ModelConfig, OptimizerConfig
 from ..tensor_parallel.layers import spec_of
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): Keller Jordan's, torch's defaults
-LR_ADJUSTMENTS = ("original", "match_rms_adamw")
+LR_ADJUSTMENTS = MUON_LR_ADJUSTMENTS
 ADAMW_MODULES = frozenset({"embedding", "output", "router"})  # name parts whose matrices stay with AdamW
 
 
@@ -66,6 +66,12 @@ class MuonHyper:
             raise ValueError(f"Muon's lr adjustment must be one of {LR_ADJUSTMENTS}, got {self.adjust_lr!r}.")
         if len(self.ns_coefficients) != 3:
             raise ValueError(f"Muon's NS coefficients are three numbers (a, b, c), got {self.ns_coefficients}.")
+
+
+def muon_hyper(cfg: OptimizerConfig, lr: float) -> MuonHyper:
+    """The run's Muon hyperparameters (--muon-* flags, the decoupled --weight-decay) at the scheduled ``lr``."""
+    return MuonHyper(lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
+                     ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_lr_adjust)
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,

@@ -1,5 +1,5 @@
 """The distributed AdamW (ZeRO 0/1/2/3): the gradient-sync engine (``data_parallel/engine.py``) composed with
-the step.
+the step; with ``--optimizer muon`` the update itself is ``muon_shards.ShardedMuon``'s (Muon + AdamW).
 
 The engine owns the buckets and every data-parallel collective; this module is
 the step that runs on the reduced shards once the engine has finished:
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import OptimizerConfig, Placement
+from ..config import ModelConfig, OptimizerConfig, Placement
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from ..run_plan import StatePlacement
@@ -34,6 +34,7 @@ from ..data_parallel.host_transfers import HostTransfers
 from ..data_parallel.rank_file import OffloadError
 from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
+from .muon_shards import ShardedMuon
 from .offload import ShardOnDemand, build_store
 from .pieces import runs_in
 from .scaler import DynamicLossScaler
@@ -44,9 +45,12 @@ class DistributedOptimizer:
     placement are the engine's settings); the trainer's optimizer interface.
 
     ``scaler`` (fp16): the dynamic loss scale whose hook ``training/parallelize.py`` put on the chunks.
+    ``muon`` (``--optimizer muon``): the chunks' model config and each parameter's name in its chunk, which the
+    split and fused-weight rules read; the step is then ``muon_shards.ShardedMuon``'s.
     """
 
-    def __init__(self, sync: GradSyncEngine, cfg: OptimizerConfig, scaler: DynamicLossScaler | None = None) -> None:
+    def __init__(self, sync: GradSyncEngine, cfg: OptimizerConfig, scaler: DynamicLossScaler | None = None,
+                 muon: tuple[ModelConfig, dict[nn.Parameter, str]] | None = None) -> None:
         pstate, placement = sync.pstate, sync.settings.placement
         self.cfg, self.pstate, self.zero, self.scaler, self.sync = cfg, pstate, sync.stage, scaler, sync
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
@@ -61,6 +65,12 @@ class DistributedOptimizer:
         self.norm_runs = [[_norm_runs(b, sync, counted=True) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, sync, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
+        self.muon: ShardedMuon | None = None
+        if cfg.optimizer == "muon":
+            assert muon is not None, "--optimizer muon needs the model config and parameter names"
+            assert self.store.placement == Placement.DEVICE, "Config.refuse_unbuilt_muon refuses offload"
+            self.muon = ShardedMuon(self.bucket_list, [sync.groups[buf.expert].group for buf, _ in self.bucket_list],
+                                    muon[1], muon[0], cfg, pstate)
 
     @property
     def transfers(self) -> HostTransfers | None:
@@ -94,7 +104,7 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        """Reduce, unscale, norm, clip and apply AdamW; or skip, agreed on every rank.
+        """Reduce, unscale, norm, clip and apply AdamW (or Muon + AdamW); or skip, agreed on every rank.
 
         A step is skipped (weights, fp32 master weights, moments and step count untouched) when fp16
         grads overflow (the scale halves) or, in any precision, when the global norm is not finite:
@@ -120,6 +130,20 @@ class DistributedOptimizer:
         hyper = AdamHyper(lr=lr, weight_decay=self.cfg.weight_decay, beta1=self.cfg.adam_beta1,
                           beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
         flat_grads = [g for gs in grads for g in gs]
+        if self.muon is not None:
+            self._muon_step(self.muon, flat_grads, coef, lr)
+        else:
+            self._adamw_step(flat_grads, coef, hyper, unscaled_by)
+        for buf in self.buffers:
+            buf.flush_param_shards()
+        if self.transfers is not None:
+            self.transfers.params_sent()
+        self.sync.gather_params()
+        return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def _adamw_step(self, flat_grads: list[torch.Tensor], coef: float, hyper: AdamHyper,
+                    unscaled_by: float | None) -> None:
+        """Clip and AdamW every bucket's shard where its state lives, and store the updated parameters."""
         flat_runs = [r for runs in self.decay_runs for r in runs]
         grad = None
         for i, lo, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state where it lives, bucket by
@@ -136,12 +160,14 @@ class DistributedOptimizer:
                 self.transfers.send_param(buf, b, master, lo)
             elif self.store.separate_master:
                 buf.set_param_shard(b, master, lo)
-        for buf in self.buffers:
-            buf.flush_param_shards()
-        if self.transfers is not None:
-            self.transfers.params_sent()
-        self.sync.gather_params()
-        return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def _muon_step(self, muon: ShardedMuon, flat_grads: list[torch.Tensor], coef: float, lr: float) -> None:
+        """Muon and AdamW on the device store's shards (``muon_shards.ShardedMuon``), then store the parameters."""
+        views = [v for _, _, v in self.store.sweep()]
+        muon.step(views, flat_grads, coef, lr, self.step_count)
+        if self.store.separate_master:
+            for (buf, b), (master, _, _) in zip(self.bucket_list, views):
+                buf.set_param_shard(b, master)
 
     def _host_grad(self, i: int, scale: float | None) -> torch.Tensor:
         """Bucket ``i``'s grad shard as copied to the host during backward, unscaled here as the device

@@ -124,5 +124,6 @@ def parallelize(chunks: list[nn.Module], plan: RunPlan, pstate: ParallelState, c
     # 5. MoE auxiliary losses: each chunk's routers scale them as its LM loss is scaled (model/aux_loss.py),
     #    the fp16 scale included, so this follows step 4
     AuxLossScaling(plan.micro_batches, pstate.cp, lambda: 1.0 if scaler is None else scaler.scale).attach(chunks)
-    optimizer = DistributedOptimizer(sync, cfg.optimizer, scaler)  # closes the engine if it fails
+    names = {p: name for chunk in chunks for name, p in chunk.named_parameters()}  # Muon's split rule reads them
+    optimizer = DistributedOptimizer(sync, cfg.optimizer, scaler, (cfg.model, names))  # closes the engine if it fails
     return TrainingModel(chunks, sync, optimizer, scaler)

@@ -1,0 +1,114 @@
+"""``--optimizer muon`` through pretrain_gpt.py: bad input refused in one line before any process group, the
+layouts Muon is not built for yet refused by name, and checkpoints across AdamW and Muon.
+
+The refusals are checked in-process (every one of them runs before the process groups: ``prepare_run``); the
+checkpoint cases launch real ranks: AdamW saves, Muon at dp 2 (ZeRO 1) resumes it with ``--no-load-optim`` and
+saves every iteration, and a Muon resume from its own iteration-3 checkpoint gives iteration 4's loss and grad
+norm bitwise; loading either optimizer's state into the other is refused naming ``--no-load-optim``.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.helpers.launch import launch
+
+SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
+         "--lr", "1e-3", "--lr-decay-style", "constant", "--adam-eps", "1e-4", "--train-iters", "2"]
+MUON = ["--optimizer", "muon"]
+NOT_BUILT = "--optimizer muon is not built for"
+
+BAD_INPUT = [  # (ranks, flags, the start of the one line after "pretrain_gpt.py: error: ")
+    (1, ["--muon-momentum", "0.9"], "--muon-momentum 0.9 only applies with --optimizer muon (here --optimizer "
+                                    "adamw); drop it or pass --optimizer muon."),
+    (1, ["--no-muon-nesterov"], "--no-muon-nesterov only applies with --optimizer muon"),
+    (1, ["--muon-ns-steps", "3"], "--muon-ns-steps 3 only applies with --optimizer muon"),
+    (1, ["--muon-lr-adjust", "match_rms_adamw"], "--muon-lr-adjust match_rms_adamw only applies with --optimizer muon"),
+    (1, ["--muon-adam-lr", "1e-3"], "--muon-adam-lr 0.001 only applies with --optimizer muon"),
+    (1, [*MUON, "--muon-momentum", "1"], "--muon-momentum must be in [0, 1), got 1.0"),
+    (1, [*MUON, "--muon-momentum=-0.1"], "--muon-momentum must be in [0, 1), got -0.1"),
+    (1, [*MUON, "--muon-ns-steps", "0"], "--muon-ns-steps must be in [1, 99], got 0"),
+    (1, [*MUON, "--muon-adam-lr=-1e-3"], "--muon-adam-lr must be >= 0, got -0.001"),
+    (1, [*MUON, "--muon-adam-lr", "1e-3", "--lr", "0", "--min-lr", "0"], "--muon-adam-lr follows the --lr schedule"),
+    (1, [*MUON, "--muon-lr-adjust", "spectral"], "argument --muon-lr-adjust: invalid choice: 'spectral'"),
+    (1, ["--optimizer", "sgd"], "argument --optimizer: invalid choice: 'sgd'"),
+    (2, [*MUON, "--zero", "3"], f"{NOT_BUILT} --zero 3 yet (docs/optimizers.md#status); pass --zero 0, 1 or 2, or "
+                                f"--optimizer adamw."),
+    (1, [*MUON, "--zero", "1", "--offload-optimizer", "cpu"], f"{NOT_BUILT} --offload-optimizer cpu yet"),
+    (2, [*MUON, "--pp", "2"], f"{NOT_BUILT} --pp 2 yet"),
+    (2, [*MUON, "--cp", "2"], f"{NOT_BUILT} --cp 2 yet"),
+    (2, [*MUON, "--num-experts", "2", "--ep", "2"], f"{NOT_BUILT} --ep 2 yet"),
+    (1, [*MUON, "--num-experts", "2"], f"{NOT_BUILT} --num-experts 2 yet (docs/optimizers.md#status); pass a "
+                                       f"dense model (no --num-experts), or --optimizer adamw."),
+]
+
+
+def _refusal_line(nproc: int, flags: list[str]) -> str:
+    """The line pretrain_gpt.py prints for ``flags`` at ``nproc`` ranks, found in-process (``prepare_run`` is
+    every check before the process groups)."""
+    import pretrain_gpt
+    from megazero.training.run import prepare_run
+
+    try:
+        cfg, ns = pretrain_gpt._parse([*SMALL, *flags])
+        pretrain_gpt._check_dry_run_flags(ns)
+        prepare_run(cfg, nproc, None, lambda _: None)
+    except pretrain_gpt.UsageError as err:
+        return str(err)
+    except ValueError as err:  # ConfigError too: what main() prints after "pretrain_gpt.py: error: "
+        return f"pretrain_gpt.py: error: {err}"
+    raise AssertionError(f"{flags} at {nproc} rank(s) was not refused before the process groups")
+
+
+@pytest.mark.parametrize("nproc,flags,start", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])
+def test_bad_muon_input_is_refused_in_one_line(nproc, flags, start):
+    line = _refusal_line(nproc, flags)
+    assert "\n" not in line.strip(), line
+    assert line.startswith("pretrain_gpt.py: error: " + start), line
+
+
+def test_the_layouts_muon_is_built_for_pass_the_checks():
+    from megazero.arguments import parse_config
+    from megazero.run_plan import RunPlan
+
+    for nproc, flags in ((2, ["--zero", "2"]), (2, ["--tp", "2", "--sequence-parallel", "--zero", "1"]),
+                         (4, ["--tp", "2", "--zero", "0", "--bf16"]), (2, ["--zero", "1", "--fp16"])):
+        cfg = parse_config([*SMALL, *MUON, *flags])[0]
+        cfg.refuse_inapplicable()
+        RunPlan.resolve(cfg, nproc)
+
+
+def _train(tmp, name: str, nproc: int, flags: list[str]) -> list[dict]:
+    metrics = os.path.join(tmp, f"{name}.jsonl")
+    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", metrics], nproc)
+    for rank, r in enumerate(results):
+        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
+    return [r for r in map(json.loads, open(metrics)) if "event" not in r]
+
+
+def test_checkpoints_across_adamw_and_muon(tmp_path):
+    adamw, muon = str(tmp_path / "adamw"), str(tmp_path / "muon")
+    _train(tmp_path, "adamw", 1, ["--save", adamw])
+    line = _refusal_line(2, [*MUON, "--zero", "1", "--load", adamw, "--train-iters", "4"])
+    assert line == (f"pretrain_gpt.py: error: --optimizer muon cannot load the adamw optimizer state of --load "
+                    f"{adamw}; pass --no-load-optim to start muon's state fresh from the loaded weights, or "
+                    f"--optimizer adamw."), line
+    import pretrain_gpt
+    from megazero.training.run import prepare_run
+
+    cfg, _ = pretrain_gpt._parse([*SMALL, *MUON, "--load", adamw, "--finetune", "--train-iters", "4"])
+    assert prepare_run(cfg, 1, None, lambda _: None) is not None  # --finetune reads no optimizer state
+    resumed = _train(tmp_path, "muon", 2, [*MUON, "--zero", "1", "--load", adamw, "--no-load-optim",
+                                           "--train-iters", "4", "--save", muon, "--save-interval", "1"])
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    line = _refusal_line(2, ["--zero", "1", "--load", muon, "--train-iters", "6"])
+    assert line.startswith("pretrain_gpt.py: error: --optimizer adamw cannot load the muon optimizer state of "
+                           "--load") and "--no-load-optim" in line, line
+    again = _train(tmp_path, "again", 2, [*MUON, "--zero", "1", "--load", os.path.join(muon, "iter_0000003"),
+                                          "--train-iters", "4"])
+    assert [(r["iteration"], r["loss"], r["grad_norm"]) for r in again] == \
+        [(r["iteration"], r["loss"], r["grad_norm"]) for r in resumed[1:]]
+

@@ -8,12 +8,11 @@ norm bitwise; loading either optimizer's state into the other is refused naming 
 """
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from tests.helpers.launch import launch
+from tests.helpers.launch import train_records
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
@@ -82,11 +81,7 @@ def test_the_layouts_muon_is_built_for_pass_the_checks():
 
 
 def _train(tmp, name: str, nproc: int, flags: list[str]) -> list[dict]:
-    metrics = os.path.join(tmp, f"{name}.jsonl")
-    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", metrics], nproc)
-    for rank, r in enumerate(results):
-        assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
-    return [r for r in map(json.loads, open(metrics)) if "event" not in r]
+    return train_records(os.path.join(tmp, f"{name}.jsonl"), [*SMALL, *flags], nproc)
 
 
 def test_checkpoints_across_adamw_and_muon(tmp_path):

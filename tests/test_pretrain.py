@@ -7,6 +7,7 @@ import math
 import pytest
 
 from tests.helpers.launch import launch, train_records
+from tests.helpers.refusals import refusal_line
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--log-interval", "1",
@@ -52,20 +53,7 @@ BAD_INPUT = [
 
 
 def _refusal_line(nproc: int, flags: list[str]) -> str:
-    """The line pretrain_gpt.py prints for ``flags`` at ``nproc`` ranks, found in-process: each check of BAD_INPUT
-    runs before any process group (``prepare_run``, which ``run`` calls first), so no rank is needed to see it."""
-    import pretrain_gpt
-    from megazero.training.run import prepare_run
-
-    try:
-        cfg, ns = pretrain_gpt._parse([*SMALL, *flags])
-        pretrain_gpt._check_dry_run_flags(ns)
-        prepare_run(cfg, nproc, None, lambda _: None)
-    except pretrain_gpt.UsageError as err:
-        return str(err)
-    except ValueError as err:  # ConfigError too: what main() prints after "pretrain_gpt.py: error: "
-        return f"pretrain_gpt.py: error: {err}"
-    raise AssertionError(f"{flags} at {nproc} rank(s) was not refused before the process groups")
+    return refusal_line([*SMALL, *flags], nproc)
 
 
 @pytest.mark.parametrize("nproc,flags,words", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])

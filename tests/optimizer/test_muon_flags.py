@@ -13,6 +13,7 @@ import os
 import pytest
 
 from tests.helpers.launch import train_records
+from tests.helpers.refusals import refusal_line
 
 SMALL = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
@@ -46,20 +47,7 @@ BAD_INPUT = [  # (ranks, flags, the start of the one line after "pretrain_gpt.py
 
 
 def _refusal_line(nproc: int, flags: list[str]) -> str:
-    """The line pretrain_gpt.py prints for ``flags`` at ``nproc`` ranks, found in-process (``prepare_run`` is
-    every check before the process groups)."""
-    import pretrain_gpt
-    from megazero.training.run import prepare_run
-
-    try:
-        cfg, ns = pretrain_gpt._parse([*SMALL, *flags])
-        pretrain_gpt._check_dry_run_flags(ns)
-        prepare_run(cfg, nproc, None, lambda _: None)
-    except pretrain_gpt.UsageError as err:
-        return str(err)
-    except ValueError as err:  # ConfigError too: what main() prints after "pretrain_gpt.py: error: "
-        return f"pretrain_gpt.py: error: {err}"
-    raise AssertionError(f"{flags} at {nproc} rank(s) was not refused before the process groups")
+    return refusal_line([*SMALL, *flags], nproc)
 
 
 @pytest.mark.parametrize("nproc,flags,start", BAD_INPUT, ids=[" ".join(b[1]) for b in BAD_INPUT])

@@ -64,6 +64,7 @@ class CommLedger:
         if group is not None:
             _OWNER[group] = (self, name)
 
+    @torch.compiler.disable  # run as is under --compile: traced, its counts became guards and each step recompiled
     def add(self, kind: str, axis: str, nbytes: float) -> None:
         if self.enabled:
             key = (kind, axis)

@@ -50,6 +50,7 @@ _OFFLOAD_FLAGS = dict(zip(("device", "host", "disk"), OFFLOAD_FLAGS))  # Placeme
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn names
 _WITH_MUON = Needs("--optimizer muon", ("optimizer",), lambda name: name == "muon")
+_WITH_QK_CLIP = Needs("--qk-clip-threshold", ("qk_clip_threshold",), lambda threshold: threshold is not None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,13 @@ class OptimizerConfig:
     muon_adam_lr: float | None = opt(None, "Peak lr of the parameters AdamW trains beside Muon (it follows the "
                                      "--lr schedule, scaled by --muon-adam-lr / --lr); None = --lr.", at_least=0,
                                      applies=_WITH_MUON)
+    qk_clip_threshold: float | None = opt(None, "MuonClip (Kimi K2's QK-clip): after each step, every attention "
+                                          "head whose largest pre-softmax logit in the step exceeded this tau has "
+                                          "its query and key weight rows scaled down so that it would be tau "
+                                          "(docs/optimizers.md#muonclip-qk-clip); None = off.", above=0,
+                                          applies=_WITH_MUON)
+    qk_clip_alpha: float = opt(0.5, "QK-clip's split of the factor gamma = tau / max: queries by gamma^alpha, keys "
+                               "by gamma^(1 - alpha).", at_least=0, at_most=1, applies=_WITH_QK_CLIP)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -334,19 +342,36 @@ class Config:
         check_applicable([getattr(self, section) for section in SECTIONS], self.explicit, pending)
         self.model.refuse_idle_balancing(self.explicit, pending)  # a balancing loss given without its weight
         self.refuse_unbuilt_muon()
+        self.refuse_unclippable()
+
+    def refuse_unclippable(self) -> None:
+        """--qk-clip-threshold needs each head's max logit from the eager attention core, and weights whose scale
+        reaches the logits; one line naming the flag for the runs where either fails."""
+        if self.optimizer.qk_clip_threshold is None:
+            return
+        require(not self.training.compile, "--qk-clip-threshold reads each head's max logit in the eager "
+                                           "attention core, which --compile traces; drop --compile or "
+                                           "--qk-clip-threshold.")
+        require(not self.model.qk_layernorm, "--qk-clip-threshold scales the query and key weights, which "
+                                             "--qk-layernorm's per-head RMSNorm divides out again (the logits "
+                                             "would not change); drop one of the two.")
+        require(not getattr(self.model, "multi_latent_attention", False),
+                "--qk-clip-threshold is built for megazero's grouped-qkv attention; --multi-latent-attention's "
+                "shared latent and RoPE key need their own rule (not built yet): drop one of the two.")
+        offload = self.parallel.offload_optimizer
+        require(offload == "none", f"--qk-clip-threshold scales the master weights on the device; it is not built "
+                                   f"for --offload-optimizer {offload} yet: pass --offload-optimizer none.")
 
     def refuse_unbuilt_muon(self) -> None:
-        """--optimizer muon runs exactly at ZeRO 0-2 with data and tensor (and sequence) parallelism; the layouts
-        and features it is not built for yet are refused here, one line naming the flag, not run wrong."""
+        """--optimizer muon runs exactly at ZeRO 0-2 with every parallelism (data, tensor and sequence, pipeline,
+        context, expert); the features it is not built for yet are refused here, one line naming the flag, not run
+        wrong."""
         if self.optimizer.optimizer != "muon":
             return
-        p, m = self.parallel, self.model
+        p = self.parallel
         unbuilt = [  # (refused, the setting as given, what to pass instead)
             (p.zero == 3, "--zero 3", "--zero 0, 1 or 2"),
-            (p.offload_optimizer != "none", f"--offload-optimizer {p.offload_optimizer}", "--offload-optimizer none"),
-            (p.pp > 1, f"--pp {p.pp}", "--pp 1"), (p.cp > 1, f"--cp {p.cp}", "--cp 1"),
-            (p.ep > 1, f"--ep {p.ep}", "--ep 1"),
-            (m.num_experts is not None, f"--num-experts {m.num_experts}", "a dense model (no --num-experts)")]
+            (p.offload_optimizer != "none", f"--offload-optimizer {p.offload_optimizer}", "--offload-optimizer none")]
         for refused, setting, instead in unbuilt:
             require(not refused, f"--optimizer muon is not built for {setting} yet (docs/optimizers.md#status); "
                                  f"pass {instead}, or --optimizer adamw.")

@@ -163,6 +163,7 @@ COMMANDS: dict[str, str] = {
                           "tests/checkpoint/test_moe_checkpoints.py resumes MoE runs bitwise",
     ".venv/bin/python -m bench.bench_zero": _BENCH,
     ".venv/bin/python -m bench.bench_doc_attention": _BENCH,
+    ".venv/bin/python -m bench.bench_qk_clip": _BENCH,
     ".venv/bin/python -m bench.bench_cp_peer --repeats 9": _BENCH,
     ".venv/bin/python -m bench.bench_moe --repeats 21": _BENCH,
     ".venv/bin/python -m bench.bench_moe_model --launches 3 --iters 6": _BENCH,

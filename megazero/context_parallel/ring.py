@@ -42,6 +42,7 @@ from ..parallel import collectives
 from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward, merge
 from .doc_blocks import Bounds, Piece, document_attention, document_blocks, ring_runs
+from .logit_max import LogitMax, whole_sequence_logit_max
 
 _KV_TAG, _DKV_TAG = 11, 12  # two exchanges can be in flight between the same pair of ranks
 
@@ -186,9 +187,10 @@ def _rows(t: torch.Tensor, b: slice, s: slice) -> torch.Tensor:
     return t[b, :, s]
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
-             force_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in the accumulation dtype, lse [b, n, L]) of the local queries against every rank's K/V."""
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring, force_math: bool,
+             logit_max: LogitMax | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in the accumulation dtype, lse [b, n, L]) of the local queries against every rank's K/V;
+    ``logit_max`` (QK-clip): the maximum logit of every piece computed, per head."""
     whole = torch.stack([k, v])  # [2, b, g, L, d]: one message per step
     kv, held = whole, ring.hop_rows(ring.rank, 0)
     out = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
@@ -197,6 +199,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring,
         nxt, nxt_rows, works = ring.shift_kv(kv, held, step, whole) if step < ring.size - 1 else (None, None, [])
         for bs, qs, ks, causal in ring.pieces(step):
             ks = held.slot(ks)
+            if logit_max is not None:
+                logit_max.add_blocks(_rows(q, bs, qs), _rows(kv[0], bs, ks), causal)
             out_b, lse_b = block_forward(_rows(q, bs, qs), _rows(kv[0], bs, ks), _rows(kv[1], bs, ks), causal,
                                          force_math)
             if step == 0 and causal:  # the first write of these rows (see ``_Ring.pieces``)
@@ -268,10 +272,11 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                balanced: bool, force_math: bool, bounds: Bounds | None) -> torch.Tensor:
+                balanced: bool, force_math: bool, bounds: Bounds | None,
+                logit_max: LogitMax | None = None) -> torch.Tensor:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         ring = _Ring(group, q.shape[2], balanced, bounds)
-        out, lse = _forward(q, k, v, ring, force_math)
+        out, lse = _forward(q, k, v, ring, force_math, logit_max)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.force_math = ring, force_math
@@ -281,21 +286,25 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.force_math)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, group: Group,
-                   balanced: bool = True, force_math: bool = False, bounds: Bounds | None = None) -> torch.Tensor:
+                   balanced: bool = True, force_math: bool = False, bounds: Bounds | None = None,
+                   logit_max: LogitMax | None = None) -> torch.Tensor:
     """Causal attention of this ring rank's tokens (``CPSplit`` local order) over the whole sequence.
 
     ``balanced=False``: the tokens are a contiguous split (a baseline, not used for training).
     ``force_math``: the matmul kernels even where torch's CPU flash op would serve (for tests).
     ``bounds``: per-sample document starts (``doc_blocks``): attention stays inside each document.
+    ``logit_max`` (QK-clip): the per-head maximum logit over the pieces computed (``logit_max.LogitMax``).
     """
     if q_bnsd.shape[1] % k_bgsd.shape[1]:
         raise ValueError(f"query heads ({q_bnsd.shape[1]}) must be a multiple of kv heads ({k_bgsd.shape[1]}); "
                          "check --num-attention-heads / --num-query-groups")
     if group is None or dist.get_world_size(group) == 1:  # a ring of one: the serial attention
+        if logit_max is not None:
+            whole_sequence_logit_max(logit_max, q_bnsd, k_bgsd, bounds)
         if bounds is not None:
             return document_attention(q_bnsd, k_bgsd, v_bgsd, bounds)
         return torch.nn.functional.scaled_dot_product_attention(
@@ -303,4 +312,4 @@ def ring_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Ten
     if balanced and q_bnsd.shape[2] % 2:
         raise ValueError(f"the load-balanced split needs an even number of local tokens, got {q_bnsd.shape[2]}")
     assert bounds is None or balanced, "document pieces follow the load-balanced split"
-    return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, group, balanced, force_math, bounds)
+    return _RingAttention.apply(q_bnsd, k_bgsd, v_bgsd, group, balanced, force_math, bounds, logit_max)

@@ -34,6 +34,7 @@ from ..parallel import collectives
 from ..parallel.collectives import Group
 from .blocks import block_backward, block_forward
 from .doc_blocks import Bounds, document_attention
+from .logit_max import LogitMax, whole_sequence_logit_max
 from .ulysses_docs import document_a2a_attention
 
 
@@ -151,7 +152,8 @@ class _UlyssesAttention(torch.autograd.Function):
     """Pure a2a: q/k/v to head shards, attention, out back, pipelined over head chunks (module docstring)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                logit_max: LogitMax | None = None) -> torch.Tensor:
         u = dist.get_world_size(group)
         count = _chunk_count(q.shape[1] // u, k.shape[1] // u)
         incoming = _start([_seq_view(t, u, count, 0) for t in (q, k, v)], group)
@@ -162,6 +164,8 @@ class _UlyssesAttention(torch.autograd.Function):
             if c + 1 < count:  # the next chunk travels while this one is computed
                 incoming = _start([_seq_view(t, u, count, c + 1) for t in (q, k, v)], group)
             qh, kh, vh = (_as_heads(slot, 1) for slot in _slots(recv, [t.shape[1] // (u * count) for t in (q, k, v)]))
+            if logit_max is not None:  # this rank's heads of chunk c (``_seq_view``'s order)
+                logit_max.add_blocks(qh, kh, True, dist.get_rank(group) * q.shape[1] // u + c * qh.shape[1])
             out, lse = block_forward(qh, kh, vh, True)
             saved += [qh, kh, vh, out, lse]
             outgoing.append(_start([_head_view(out, u, 1)], group))
@@ -188,25 +192,35 @@ class _UlyssesAttention(torch.autograd.Function):
         b, n, s, d = dout.shape
         finals = [dout.new_empty(b, heads, s, d) for heads in (n, ctx.kv_heads, ctx.kv_heads)]
         _wait_into(finals, outgoing, u)
-        return (*finals, None)
+        return (*finals, None, None)
 
 
 def ulysses_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor, group: Group,
-                      pieces: int = 1, inner=None, bounds: Bounds | None = None) -> torch.Tensor:
+                      pieces: int = 1, inner=None, bounds: Bounds | None = None,
+                      logit_max: LogitMax | None = None) -> torch.Tensor:
     """All-to-all to head shards, attention on whole sequences, and back.
 
     ``inner(q, k, v)`` given (the hybrid's ring): it runs between two autograd exchanges. Otherwise
-    causal attention (one call per document of ``bounds``) runs inside the pipelined exchange."""
+    causal attention (one call per document of ``bounds``) runs inside the pipelined exchange.
+    ``logit_max`` (QK-clip): the per-head maximum logit, each rank's at its head shard's offset."""
     u = 1 if group is None else dist.get_world_size(group)
     if u > 1:
         check_heads(q_bnsd.shape[1], k_bgsd.shape[1], u)
         k_bgsd, v_bgsd = replicate_kv_heads(k_bgsd, u), replicate_kv_heads(v_bgsd, u)
     if inner is None and u > 1 and bounds is not None:
-        return document_a2a_attention(q_bnsd, k_bgsd, v_bgsd, group, bounds)
+        return document_a2a_attention(q_bnsd, k_bgsd, v_bgsd, group, bounds, logit_max)
     if inner is None and u > 1:
-        return _UlyssesAttention.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group)
+        return _UlyssesAttention.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group,
+                                       logit_max)
     if inner is None:
+        if logit_max is not None:
+            whole_sequence_logit_max(logit_max, q_bnsd, k_bgsd, bounds)
         inner = functools.partial(_serial_attention, bounds=bounds)
+        logit_max = None
+    if logit_max is not None:  # the inner ring's heads: this rank's head shard
+        heads = q_bnsd.shape[1] // u
+        inner = functools.partial(inner, logit_max=logit_max.at(0 if u == 1 else dist.get_rank(group) * heads,
+                                                                heads))
     if u == 1:
         return inner(q_bnsd, k_bgsd, v_bgsd)
     q, k, v = _Exchange.apply(group, pieces, True, q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous())

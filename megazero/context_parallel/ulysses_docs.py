@@ -25,6 +25,7 @@ from ..parallel import collectives
 from ..parallel.collectives import Group
 from .blocks import acc_dtype, block_backward, block_forward
 from .doc_blocks import Bounds
+from .logit_max import LogitMax
 
 Doc = tuple[int, int, int]  # (sample, global start, global stop)
 _BALANCE = 1.03  # share home documents until the busiest rank is within 3% of the mean
@@ -165,7 +166,7 @@ class _DocumentsA2A(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
-                bounds: Bounds) -> torch.Tensor:
+                bounds: Bounds, logit_max: LogitMax | None = None) -> torch.Tensor:
         u, me = dist.get_world_size(group), dist.get_rank(group)
         plan = plan_documents(bounds, u, me, q.shape[2], q.device)
         widths = (q.shape[1] // u, k.shape[1] // u, v.shape[1] // u)
@@ -174,6 +175,8 @@ class _DocumentsA2A(torch.autograd.Function):
         out = torch.empty_like(q)
         lse = q.new_empty(q.shape[:3], dtype=acc_dtype(q.dtype))
         for rows in plan.home:  # while the shared documents' tokens travel
+            if logit_max is not None:  # every head of a home document
+                logit_max.add_blocks(q[rows], k[rows], True)
             out[rows], lse[rows] = block_forward(q[rows], k[rows], v[rows], True)
         shared: tuple[torch.Tensor, ...] = ()
         if pending is not None:
@@ -183,6 +186,8 @@ class _DocumentsA2A(torch.autograd.Function):
             out_s = torch.empty_like(qs)
             lse_s = qs.new_empty(qs.shape[:2], dtype=acc_dtype(q.dtype))
             for span in plan.spans:
+                if logit_max is not None:  # this rank's head shard of a shared document
+                    logit_max.add_blocks(qs[:, span].unsqueeze(0), ks[:, span].unsqueeze(0), True, me * widths[0])
                 o, l_ = block_forward(qs[:, span].unsqueeze(0), ks[:, span].unsqueeze(0), vs[:, span].unsqueeze(0),
                                       True)
                 out_s[:, span], lse_s[:, span] = o[0], l_[0]
@@ -224,11 +229,12 @@ class _DocumentsA2A(torch.autograd.Function):
             work.wait()
             for grad, returned in zip(grads, back.split(ctx.widths, dim=1)):
                 _put(grad, returned, u, plan)
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def document_a2a_attention(q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
-                           group: Group, bounds: Bounds) -> torch.Tensor:
+                           group: Group, bounds: Bounds, logit_max: LogitMax | None = None) -> torch.Tensor:
     """Causal attention inside the documents of ``bounds`` over a contiguous split; kv heads divisible by the
-    group's size (``ulysses.replicate_kv_heads``)."""
-    return _DocumentsA2A.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group, bounds)
+    group's size (``ulysses.replicate_kv_heads``). ``logit_max`` (QK-clip): the per-head maximum logit."""
+    return _DocumentsA2A.apply(q_bnsd.contiguous(), k_bgsd.contiguous(), v_bgsd.contiguous(), group, bounds,
+                               logit_max)

@@ -28,6 +28,7 @@ from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
                      num_parameters)
 from .moe_plan import ExpertStage, add_experts, expert_stage, expert_words, moe_lines
+from .muon_plan import muon_lines, ns_workspace_bytes, optimizer_state_bytes
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -85,8 +86,9 @@ class PlanSpec:
         return self.run.placement.optimizer_state.offloaded or self.run.placement.parameters.offloaded
 
     def bytes_per_param(self) -> tuple[int, int, int]:
-        """(w, g, K) of ``params.bytes_per_param`` for the plan's dtypes."""
-        return bytes_per_param(DTYPE_NAMES[self.run.compute_dtype], DTYPE_NAMES[self.run.main_grads_dtype])
+        """(w, g, K) of ``params.bytes_per_param`` for the plan's dtypes, K the optimizer's (``muon_plan``)."""
+        w, g, k = bytes_per_param(DTYPE_NAMES[self.run.compute_dtype], DTYPE_NAMES[self.run.main_grads_dtype])
+        return w, g, optimizer_state_bytes(k, self.cfg)
 
     def activation_spec(self) -> ActivationSpec:
         t = self.cfg.training
@@ -117,7 +119,7 @@ class PlanSpec:
                 "reshard_after_forward": g.reshard_after_forward, "grad_reduction": r.grad_reduction.value,
                 "offload_optimizer": where.optimizer_state.flag_word, "offload_params": where.parameters.flag_word,
                 "offload_buffers": where.offload_buffers, "offload_buffer_size": where.offload_buffer_size,
-                "document_length": planned_document_length(self.cfg)}
+                "document_length": planned_document_length(self.cfg), "optimizer": self.cfg.optimizer.optimizer}
 
 
 @dataclass
@@ -138,6 +140,7 @@ class StagePlan:
     params_host_bytes: float = 0.0  # ZeRO 3 + --offload-params: shards (or staged units) on the host
     params_disk_bytes: float = 0.0
     experts: ExpertStage = field(default_factory=ExpertStage)  # MoE: the experts' share, included above (moe_plan)
+    ns_workspace_bytes: float = 0.0  # Muon: NS of the stage's largest matrix, in the step, after the backward
 
     @property
     def host_bytes(self) -> float:
@@ -158,7 +161,8 @@ class StagePlan:
 
     @property
     def total_bytes(self) -> float:
-        return self.model_state_bytes + self.activations_bytes + self.transient_bytes
+        """Model state plus the larger of what forward and backward hold and the optimizer step's NS workspace."""
+        return self.model_state_bytes + max(self.activations_bytes + self.transient_bytes, self.ns_workspace_bytes)
 
 
 @dataclass
@@ -210,6 +214,7 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
     # the logits (all of them, or one chunk with --cross-entropy-chunk-size) and their fp32 copy
+    layers = [first_layer + i for *_, first_layer in chunks for i in range(blocks)]  # this stage's blocks
     transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a) + moe.transient_bytes,
                     head_working_bytes(cfg, a) if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
@@ -219,7 +224,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
                      transient_bytes=transient, persistent_bytes=state.persistent - moved,
                      params_peak_bytes=state.params_peak - off.params_device, shard_elements=sum(shards),
                      optimizer_host_bytes=off.optimizer_host, optimizer_disk_bytes=off.optimizer_disk,
-                     params_host_bytes=off.params_host, params_disk_bytes=off.params_disk, experts=moe)
+                     params_host_bytes=off.params_host, params_disk_bytes=off.params_disk, experts=moe,
+                     ns_workspace_bytes=ns_workspace_bytes(spec.cfg, layers))
 
 
 def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool, int]],
@@ -292,7 +298,8 @@ def format_plan(plan: MemoryPlan) -> str:
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
              f"sp {s.sequence_parallel}",
-             *_offload_lines(plan), *document_lines(s.cfg, r.cp_split.ring), *moe_lines(s.cfg, r, plan.peak.experts),
+             *_offload_lines(plan), *muon_lines(s.cfg, plan.peak.ns_workspace_bytes),
+             *document_lines(s.cfg, r.cp_split.ring), *moe_lines(s.cfg, r, plan.peak.experts),
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
              f"{'transient':>9} {'total':>8}"]
@@ -336,6 +343,7 @@ def format_rows(plans: list[MemoryPlan]) -> str:
                      + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
     first = plans[0].spec  # the assumptions (the MoE line: the first plan's peak stage)
+    lines += muon_lines(first.cfg, plans[0].peak.ns_workspace_bytes)
     lines += document_lines(first.cfg, first.run.cp_split.ring) + moe_lines(first.cfg, first.run, plans[0].peak.experts)
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")

@@ -38,7 +38,8 @@ it ranks layouts rather than predicting wall time to the percent):
 With ``offload=True`` a layout that does not fit on the device is tried again with
 the optimizer state on the host or on disk (and under ZeRO 3 the parameter shards
 too); the fastest variant whose device, host and disk bytes fit is listed, marked
-``offload_only``. Host and disk budgets are per GPU.
+``offload_only``. Host and disk budgets are per GPU. A layout or placement the run's optimizer refuses
+(``--optimizer muon``: ``Config.refuse_unbuilt_muon``, called, not copied) is never listed.
 
 Defaults describe an H100 SXM node: 989 TFLOP/s bf16 dense at 45% efficiency,
 450 GB/s NVLink per direction, 50 GB/s (400 Gb/s InfiniBand) per GPU between nodes;
@@ -49,13 +50,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import RECOMPUTE_MODES, Config, ModelConfig, Placement
+from ..config import RECOMPUTE_MODES, Config, ConfigError, ModelConfig, Placement
 from ..model.flops import flops_per_token
 from ..run_plan import ZeroStage
 from .activations import kv_heads_per_rank
 from .documents import document_lines, planned_attended_share, ring_hop_shares
 from .offload import OffloadHardware, describe
 from .moe_plan import dispatch_seconds, expert_layouts
+from .muon_plan import muon_lines
 from .assumed import planned_device
 from .plan import GIB, PLANNED_PATH, MemoryPlan, PlanSpec, offload_label, plan_memory
 
@@ -280,17 +282,30 @@ def _layouts(cfg: Config, hw: Hardware, offload: bool, device: str, *, tp: int, 
     return found
 
 
+def trains(cfg: Config) -> bool:
+    """Whether the run's optimizer takes this layout: ``Config.refuse_unbuilt_muon``, the check a run makes (so
+    the search follows when a refusal is lifted); AdamW takes every layout."""
+    try:
+        cfg.refuse_unbuilt_muon()
+    except ConfigError:
+        return False
+    return True
+
+
 def _fitting(spec: PlanSpec, hw: Hardware, offload: bool) -> list[Candidate]:
-    """``spec`` as it is if it fits; else, with ``offload``, its fastest offload placement that fits."""
+    """``spec`` as it is if it fits; else, with ``offload``, its fastest offload placement that fits. A placement
+    the optimizer refuses (``trains``) is never proposed."""
     spec = _placed(spec, DEVICE, DEVICE)
-    plan = plan_memory(spec)
-    if hw.fits(plan):
+    plan = plan_memory(spec) if trains(spec.cfg) else None
+    if plan is not None and hw.fits(plan):
         return [Candidate(spec, plan, step_time(spec, plan, hw))]
     if not offload:
         return []
     options = []
     for opt, params in OFFLOAD_VARIANTS[spec.run.zero.shards_parameters]:
         variant = _placed(spec, opt, params)
+        if not trains(variant.cfg):
+            continue
         plan = plan_memory(variant)
         if hw.fits(plan):
             options.append(Candidate(variant, plan, step_time(variant, plan, hw), offload_only=True))
@@ -322,6 +337,7 @@ def format_candidates(cands: list[Candidate], hw: Hardware, top: int = 20, held:
              f"(usable {hw.usable_bytes / GIB:.1f} GiB each); global batch {tokens} tokens; fastest first",
              *([f"held as given: {kept}; every listed layout has them"] if kept else []),
              *document_lines(cands[0].spec.cfg, best.cp_split.ring),  # the share shown is the best layout's
+             *muon_lines(cands[0].spec.cfg, cands[0].plan.peak.ns_workspace_bytes),  # the best layout's workspace
              f"  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4}{' ep'.rjust(4) + ' etp' if moe else ''} {'zero':>4} "
              f"{'mbs':>4} {'m':>4} {'recompute':>9} "
              f"{'state':>7} {'activ':>7} {'peak':>7} {'step s':>7} {'tok/s/gpu':>9}"

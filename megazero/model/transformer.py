@@ -25,6 +25,7 @@ from ..config import ModelConfig
 from ..context_parallel import CPContext
 from ..context_parallel.attention import cp_attention
 from ..context_parallel.doc_blocks import Bounds, document_attention
+from ..context_parallel.logit_max import LogitMax, whole_sequence_logit_max
 from ..moe.context import ExpertContext
 from ..moe.layer import MoELayer
 from ..parallel.state import group_size
@@ -161,6 +162,7 @@ class Attention(nn.Module):
         self.q_norm, self.k_norm = make_head_norm(cfg), make_head_norm(cfg)
         self.recompute_core = False  # selective recompute (``recompute.apply_recompute``): checkpoint the core
         self.core_eager = False  # --compile: the core is a graph break (``compile.eager_sites``)
+        self.logit_max: LogitMax | None = None  # --qk-clip-threshold: the core adds its per-head max logit here
 
     def extra_repr(self) -> str:
         return ", ".join(w for w, on in (("recompute=selective", self.recompute_core),
@@ -177,8 +179,11 @@ class Attention(nn.Module):
                        bounds: Bounds | None = None) -> torch.Tensor:
         """softmax(QK^T / sqrt(d)) V, causal (within each document when ``bounds`` is given); dropout draws
         from the layer's per-TP-rank stream (heads are split)."""
+        sink = self.logit_max if self.training else None  # QK-clip: the attended pairs' max logit per head
         if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
-            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp, bounds)
+            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp, bounds, sink)
+        if sink is not None:
+            whole_sequence_logit_max(sink, q_bnsd, k_bgsd, bounds)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         # p = 0 draws nothing: skip swapping the stream's RNG state in and out (4 state copies per layer)
         rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()

@@ -28,6 +28,7 @@ here (fp32 by default; bf16 reproduces ``torch.optim.Muon`` bit for bit).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -74,7 +75,37 @@ def muon_hyper(cfg: OptimizerConfig, lr: float) -> MuonHyper:
                      ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_lr_adjust)
 
 
+class NSClock:
+    """Seconds this process spent in ``newton_schulz`` since the last ``take``: the metrics' NS time per step
+    (the trainer takes it at each step's start and in its record). On CUDA each call is bracketed by device
+    synchronisations, so the seconds are the kernels', not their launches'; on the CPU the call is synchronous."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def take(self) -> float:
+        """The seconds gathered since the last take; the clock restarts from 0."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+NS_CLOCK = NSClock()  # one per process: every rank times its own NS calls
+
+
 def newton_schulz(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``orthogonalise`` timed by ``NS_CLOCK``; the same arguments and result."""
+    if G.is_cuda:
+        torch.cuda.synchronize(G.device)
+    start = time.perf_counter()
+    out = orthogonalise(G, steps, coefficients, eps, dtype)
+    if G.is_cuda:
+        torch.cuda.synchronize(G.device)
+    NS_CLOCK.seconds += time.perf_counter() - start
+    return out
+
+
+def orthogonalise(G: torch.Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
                   eps: float = 1e-7, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The quintic NS iteration on a 2-D matrix, as torch's ``_zeropower_via_newtonschulz`` runs it.
 

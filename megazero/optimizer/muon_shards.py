@@ -12,19 +12,25 @@ and the clip coefficient (AdamW's order); then ``ShardedMuon.step``, for every b
        weight's TP pieces out and join them along its split dim (``spec_of``): the full, unfused-layout weight
        whose matrices ``muon.matrices_of`` names (a fused qkv split over TP by groups joins back group by group);
     3. NS on the matrices this rank owns (``assign_owners``: longest-processing-time packing of NS cost
-       m * n * min(m, n) over the ranks of the group, which all hold every direction after step 2);
-then 4. one all-gather of the NS outputs over the group (each rank's padded to the largest rank's), and each rank
+       m * n * min(m, n) over the weight's holders, below, which all hold its direction after step 2);
+then 4. the holders share their NS outputs (each rank's padded to the largest rank's), and each rank
 decays its shard of every Muon weight (``w *= 1 - lr * wd``) and adds ``-adjusted_lr * NS`` to its elements.
 The engine then all-gathers the updated parameter shards as for AdamW.
 
-The group is every rank (dp x tp: Muon refuses pp, cp and ep for now, ``Config.refuse_unbuilt_muon``). Traffic
-each rank receives per step, in fp32 elements, with B the TP-local elements (padding included) of the buckets
-holding a Muon weight, W = dp x tp and M_r the matrix elements rank r owns: B (dp - 1) / dp at ZeRO 1/2 (0 at
-ZeRO 0), + B (tp - 1), + (W - 1) max_r M_r. The ledger counts these gathers as ``all_gather.muon``.
+Owners: the ranks that hold copies of a weight (its ``Holders``): a dense weight's are its pipeline stage's
+dp x cp x tp ranks (its buffer's reduction group, dp x cp, times the TP group); a routed expert's the edp x etp
+ranks of its expert-parallel rank and stage (the expert buffer's reduction group, edp, times the ETP group). Every
+rank belongs to one dense and (MoE) one expert set; each set numbers its own matrices, packs them over its own
+ranks and shares its NS outputs among them, gathered over the TP (ETP) group, then over the reduction group (a
+two-stage all-gather: no process group beyond the run's). Traffic each rank receives per step, in fp32
+elements, per set with W = (reduction group) x (TP group) ranks: B (R - 1) / R at ZeRO 1/2 (0 at ZeRO 0), with B
+the TP-local elements (padding included) of the set's buckets holding a Muon weight and R the reduction group's
+size, + B (tp - 1), + (W - 1) max_r M_r, with M_r the matrix elements rank r of the set owns. The ledger counts
+these gathers as ``all_gather.muon``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +38,7 @@ from torch import nn
 from ..config import ModelConfig, OptimizerConfig
 from ..data_parallel.buffers import ParamGradBuffer
 from ..data_parallel.layout import Bucket, Segment
+from ..data_parallel.reduction import ReductionGroup
 from ..parallel import collectives as C
 from ..parallel.collectives import Group
 from ..parallel.state import ParallelState, group_size
@@ -53,51 +60,83 @@ def assign_owners(costs: list[int], ranks: int) -> list[int]:
     return owners
 
 
+@dataclass
+class Holders:
+    """The ranks that hold copies of one set of Muon weights (a stage's dense weights, or one expert-parallel
+    rank's experts): the buffers' reduction group times the (E)TP group, a grid, so rank ``reduction.rank * tp +
+    tp_rank`` of the set is reached by gathering over the TP group and then over the reduction group.
+    ``shapes``: the set's matrices, numbered bucket by bucket, weight by weight; ``owners``: each one's rank."""
+
+    reduction: ReductionGroup
+    tp_group: Group
+    tp_rank: int
+    shapes: list[tuple[int, int]] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    owned_by: list[list[int]] = field(default_factory=list)
+    width: int = 0  # the most matrix elements any rank of the set owns: each rank's share is padded to it
+
+    @property
+    def tp(self) -> int:
+        return group_size(self.tp_group)
+
+    @property
+    def ranks(self) -> int:
+        return self.reduction.size * self.tp
+
+    @property
+    def rank(self) -> int:
+        return self.reduction.rank * self.tp + self.tp_rank
+
+    def assign(self) -> None:
+        """Pack the set's matrices over its ranks by NS cost, once every matrix is numbered."""
+        self.owners = assign_owners([ns_cost(s) for s in self.shapes], self.ranks)
+        self.owned_by = [[k for k, r in enumerate(self.owners) if r == rank] for rank in range(self.ranks)]
+        self.width = max((sum(self.shapes[k][0] * self.shapes[k][1] for k in ks) for ks in self.owned_by), default=0)
+
+
 @dataclass(frozen=True)
 class MuonWeight:
     """One Muon parameter: where it sits in its bucket, its full (TP-joined) shape and its matrices; ``first``:
-    the global index of its first matrix (matrices are numbered bucket by bucket, weight by weight)."""
+    the index of its first matrix among its ``holders``' matrices."""
 
     param: nn.Parameter
     offset: int  # its first element in the bucket, bucket coordinates
     full_shape: tuple[int, ...]
     matrices: tuple[Matrix, ...]
     first: int
-    tp_group: Group
-    tp_rank: int
+    holders: Holders
 
 
 class ShardedMuon:
-    """Muon for the Muon parameters of ``bucket_list``'s buckets, AdamW for the rest; ``names``: each parameter's
-    name in its chunk (the split rule and the fused-weight rule read it). ``ns_calls`` counts this rank's NS calls."""
+    """Muon for the Muon parameters of ``bucket_list``'s buckets, AdamW for the rest; ``reductions``: each bucket's
+    reduction group (its shards are spread over it); ``names``: each parameter's name in its chunk (the split rule
+    and the fused-weight rule read it). ``ns_calls`` counts this rank's NS calls."""
 
-    def __init__(self, bucket_list: list[tuple[ParamGradBuffer, Bucket]], reduction_groups: list[Group],
+    def __init__(self, bucket_list: list[tuple[ParamGradBuffer, Bucket]], reductions: list[ReductionGroup],
                  names: dict[nn.Parameter, str], model: ModelConfig, cfg: OptimizerConfig,
                  pstate: ParallelState) -> None:
-        self.cfg, self.pstate, self.bucket_list = cfg, pstate, bucket_list
-        self.reduction_groups = reduction_groups  # per bucket: the group its shards are spread over (None: whole)
-        self.group, self.rank = pstate.world_group, pstate.rank
-        self.ranks = group_size(self.group)
+        self.cfg, self.pstate, self.bucket_list, self.reductions = cfg, pstate, bucket_list, reductions
         muon = {p for p in names if takes_muon(names[p], p)}
+        self.holders: dict[bool, Holders] = {}  # dense (False) and expert (True) weights' holders
         self.weights: list[list[MuonWeight]] = []
-        shapes: list[tuple[int, int]] = []
-        for buf, b in bucket_list:
+        for (buf, b), reduction in zip(bucket_list, reductions):
+            if buf.expert not in self.holders:
+                tp_group, tp_rank = (pstate.etp_group, pstate.etp_rank) if buf.expert else \
+                    (pstate.tp_group, pstate.tp_rank)
+                self.holders[buf.expert] = Holders(reduction, tp_group, tp_rank)
+            holders = self.holders[buf.expert]
             here = []
             for p in b.params:
                 if p not in muon:
                     continue
-                spec = spec_of(p)
-                tp_group = pstate.etp_group if spec.expert else pstate.tp_group
-                shape = full_shape(p, group_size(tp_group))
+                assert spec_of(p).expert == buf.expert, f"{names[p]}: an expert weight outside an expert buffer"
+                shape = full_shape(p, holders.tp)
                 matrices = matrices_of(names[p], shape, model)
-                here.append(MuonWeight(p, buf.offsets[p] - b.offset, shape, matrices, len(shapes), tp_group,
-                                       pstate.etp_rank if spec.expert else pstate.tp_rank))
-                shapes.extend(matrix_shape(shape, m) for m in matrices)
+                here.append(MuonWeight(p, buf.offsets[p] - b.offset, shape, matrices, len(holders.shapes), holders))
+                holders.shapes.extend(matrix_shape(shape, m) for m in matrices)
             self.weights.append(here)
-        self.shapes = shapes
-        self.owners = assign_owners([ns_cost(s) for s in shapes], self.ranks)
-        self.owned_by = [[k for k, r in enumerate(self.owners) if r == rank] for rank in range(self.ranks)]
-        self.width = max((sum(shapes[k][0] * shapes[k][1] for k in ks) for ks in self.owned_by), default=0)
+        for holders in self.holders.values():
+            holders.assign()
         # per bucket: each Muon weight with its pieces in this rank's shard; the shard's Muon and AdamW runs
         self.pieces: list[list[tuple[MuonWeight, list[Segment]]]] = [
             [(w, [s for s in b.segments if s.param is w.param]) for w in here]
@@ -113,18 +152,17 @@ class ShardedMuon:
 
     @property
     def matrices(self) -> int:
-        """Muon matrices of this rank's chunks: the NS calls one step makes over the whole group."""
-        return len(self.shapes)
+        """Muon matrices of this rank's chunks: the NS calls one step makes over the ranks holding them."""
+        return sum(len(h.shapes) for h in self.holders.values())
 
     def step_bytes(self) -> int:
         """Bytes this rank sends in Muon's gathers per step, by the ledger's ring accounting (an all-gather sends
         (N-1)/N of its output): the module docstring's formula, in bytes."""
-        elements = (self.ranks - 1) * self.width
+        elements = sum((h.ranks - 1) * h.width for h in self.holders.values())
         for (buf, b), here in zip(self.bucket_list, self.weights):
             if here:
-                elements += (buf.num_shards - 1) * b.shard_numel
-                tp_groups = {id(w.tp_group): w.tp_group for w in here}.values()  # one TP gather per group
-                elements += sum(group_size(g) - 1 for g in tp_groups) * b.numel
+                holders = self.holders[buf.expert]
+                elements += (buf.num_shards - 1) * b.shard_numel + (holders.tp - 1) * b.numel
         return 4 * elements
 
     @torch.no_grad()
@@ -136,69 +174,73 @@ class ShardedMuon:
         hyper = muon_hyper(c, lr)
         adam = AdamHyper(lr=c.adam_lr(lr), weight_decay=c.weight_decay, beta1=c.adam_beta1, beta2=c.adam_beta2,
                          eps=c.adam_eps)
-        outputs: list[torch.Tensor] = []  # NS of the matrices this rank owns, in matrix order
-        for i, ((master, exp_avg, exp_avg_sq), g) in enumerate(zip(views, grads)):
+        outputs: dict[int, list[torch.Tensor]] = {id(h): [] for h in self.holders.values()}  # NS of what this
+        for i, ((master, exp_avg, exp_avg_sq), g) in enumerate(zip(views, grads)):          # rank owns, in order
             if coef < 1.0:
                 g.mul_(coef)
             adamw_shard_step(master, g, exp_avg, exp_avg_sq, self.adam_runs[i], adam, step)
-            if not self.weights[i]:  # the same buckets on every rank: no Muon weight, no gather
+            if not self.weights[i]:  # the same buckets on every holder: no Muon weight, no gather
                 continue
             direction = torch.zeros_like(g)
             for lo, hi in self.muon_runs[i]:
                 direction[lo:hi] = momentum_direction_(g[lo:hi], exp_avg[lo:hi], hyper)
             for weight, full in zip(self.weights[i], self._assemble(i, direction)):
+                holders = weight.holders
                 for k, m in enumerate(weight.matrices, start=weight.first):
-                    if self.owners[k] == self.rank:
-                        outputs.append(newton_schulz(take_matrix(full, m), hyper.ns_steps, hyper.ns_coefficients,
-                                                     hyper.eps, hyper.ns_dtype).float())
+                    if holders.owners[k] == holders.rank:
+                        outputs[id(holders)].append(newton_schulz(take_matrix(full, m), hyper.ns_steps,
+                                                                  hyper.ns_coefficients, hyper.eps,
+                                                                  hyper.ns_dtype).float())
                         self.ns_calls += 1
-        updates = self._share(outputs, views[0][0].device if views else torch.device("cpu"))
+        device = views[0][0].device if views else torch.device("cpu")
+        updates = {id(h): self._share(h, outputs[id(h)], device) for h in self.holders.values()}  # dense first
         decay = 1 - hyper.lr * hyper.weight_decay
         for i, (master, _, _) in enumerate(views):
             for lo, hi in self.muon_runs[i]:
                 master[lo:hi].mul_(decay)
             for weight, segments in self.pieces[i]:
-                for alpha, update in (self._local_updates(weight, updates, hyper.lr) if segments else ()):
+                local = self._local_updates(weight, updates[id(weight.holders)], hyper.lr) if segments else ()
+                for alpha, update in local:
                     for s in segments:
                         master[s.lo:s.hi].add_(update[s.param_lo:s.param_lo + s.hi - s.lo], alpha=alpha)
 
     def _assemble(self, i: int, direction: torch.Tensor) -> list[torch.Tensor]:
         """The full (TP-joined) direction of each Muon weight of bucket ``i`` from this rank's shard of it."""
         buf, b = self.bucket_list[i]
+        holders = self.holders[buf.expert]
         bucket = direction
         if buf.num_shards > 1:
             bucket = direction.new_empty(b.numel)
-            C.all_gather_into_tensor(bucket, direction, self.reduction_groups[i], phase=PHASE)
+            C.all_gather_into_tensor(bucket, direction, self.reductions[i].group, phase=PHASE)
+        gathered = bucket.new_empty(holders.tp * b.numel)
+        C.all_gather_into_tensor(gathered, bucket, holders.tp_group, phase=PHASE)  # tp 1: a copy
+        per_rank = gathered.view(holders.tp, b.numel)
         out = []
-        by_group: dict[int, torch.Tensor] = {}
         for weight in self.weights[i]:
-            tp = group_size(weight.tp_group)
-            key = id(weight.tp_group)
-            if key not in by_group:  # one gather per TP group the bucket's weights use
-                gathered = bucket.new_empty(tp * b.numel)
-                C.all_gather_into_tensor(gathered, bucket, weight.tp_group, phase=PHASE)
-                by_group[key] = gathered.view(tp, b.numel)
             n, shape = weight.param.numel(), weight.param.shape
-            pieces = [by_group[key][r, weight.offset:weight.offset + n].view(shape) for r in range(tp)]
+            pieces = [per_rank[r, weight.offset:weight.offset + n].view(shape) for r in range(holders.tp)]
             dim = spec_of(weight.param).split_dim
-            out.append(pieces[weight.tp_rank].clone() if dim is None else torch.cat(pieces, dim=dim))
+            out.append(pieces[holders.tp_rank].clone() if dim is None else torch.cat(pieces, dim=dim))
         return out
 
-    def _share(self, outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-        """Every matrix's NS output on every rank: one all-gather of each rank's outputs, padded to ``width``."""
-        if not self.shapes:
+    def _share(self, holders: Holders, outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """Every matrix of ``holders`` as NS left it, on each of its ranks: each rank's outputs padded to the set's
+        ``width``, all-gathered over the TP group and then over the reduction group (rank order: the set's)."""
+        if not holders.shapes:
             return []
-        mine = torch.zeros(self.width, dtype=torch.float32, device=device)
+        mine = torch.zeros(holders.width, dtype=torch.float32, device=device)
         if outputs:
             flat = torch.cat([t.reshape(-1) for t in outputs])
             mine[:flat.numel()] = flat
-        everyone = mine.new_empty(self.ranks * self.width)
-        C.all_gather_into_tensor(everyone, mine, self.group, phase=PHASE)
-        updates: list[torch.Tensor] = [torch.empty(0)] * len(self.shapes)
-        for rank, owned in enumerate(self.owned_by):
-            at = rank * self.width
+        over_tp = mine.new_empty(holders.tp * holders.width)
+        C.all_gather_into_tensor(over_tp, mine, holders.tp_group, phase=PHASE)
+        everyone = mine.new_empty(holders.ranks * holders.width)
+        C.all_gather_into_tensor(everyone, over_tp, holders.reduction.group, phase=PHASE)
+        updates: list[torch.Tensor] = [torch.empty(0)] * len(holders.shapes)
+        for rank, owned in enumerate(holders.owned_by):
+            at = rank * holders.width
             for k in owned:
-                rows, cols = self.shapes[k]
+                rows, cols = holders.shapes[k]
                 updates[k] = everyone[at:at + rows * cols].view(rows, cols)
                 at += rows * cols
         return updates
@@ -219,6 +261,6 @@ class ShardedMuon:
         for alpha, full in by_alpha.items():
             if dim is not None:
                 local = weight.param.shape[dim]
-                full = full.narrow(dim, weight.tp_rank * local, local)
+                full = full.narrow(dim, weight.holders.tp_rank * local, local)
             out.append((alpha, full.reshape(-1)))
         return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,12 @@ class DistributedOptimizer:
         self.norm_runs = [[_norm_runs(b, sync, counted=True) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, sync, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
+        self.after_update: Callable[[], None] | None = None  # --qk-clip-threshold: ``qk_clip.QKClip.clip``
         self.muon: ShardedMuon | None = None
         if cfg.optimizer == "muon":
             assert muon is not None, "--optimizer muon needs the model config and parameter names"
             assert self.store.placement == Placement.DEVICE, "Config.refuse_unbuilt_muon refuses offload"
-            self.muon = ShardedMuon(self.bucket_list, [sync.groups[buf.expert].group for buf, _ in self.bucket_list],
+            self.muon = ShardedMuon(self.bucket_list, [sync.groups[buf.expert] for buf, _ in self.bucket_list],
                                     muon[1], muon[0], cfg, pstate)
 
     @property
@@ -134,6 +135,8 @@ class DistributedOptimizer:
             self._muon_step(self.muon, flat_grads, coef, lr)
         else:
             self._adamw_step(flat_grads, coef, hyper, unscaled_by)
+        if self.after_update is not None:  # QK-clip scales the updated master weights before the gather
+            self.after_update()
         for buf in self.buffers:
             buf.flush_param_shards()
         if self.transfers is not None:

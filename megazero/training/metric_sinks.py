@@ -61,7 +61,7 @@ def numeric_fields(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[s
 
 
 PERF_FIELDS = {"step_time_ms", "tokens_per_sec", "tflops_per_device", "mfu", "elapsed_s", "eta_s",
-               "bubble_fraction"}
+               "bubble_fraction", "ns_time_s"}
 MEMORY_FIELDS = {"peak_memory_bytes"}
 
 

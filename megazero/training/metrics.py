@@ -7,6 +7,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ..optimizer.muon import NS_CLOCK
 from .metric_sinks import open_sinks
 from .progress import clock_time
 
@@ -16,6 +17,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class OptimizerFields:
+    """A record's optimizer fields: ``optimizer`` (--optimizer) and ``ns_time_s``, the seconds of the step's
+    Newton-Schulz calls on this rank (Muon; None for AdamW, which has none). ``start_step`` at each step's
+    start drops what came before (the steps not logged, evaluations), so the figure is one step's."""
+
+    def __init__(self, optimizer: str) -> None:
+        self.optimizer = optimizer
+
+    def start_step(self) -> None:
+        NS_CLOCK.take()
+
+    def fields(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer, "ns_time_s": NS_CLOCK.take() if self.optimizer == "muon" else None}
 
 
 class MetricsLog:
@@ -52,6 +68,14 @@ def format_iteration(r: dict[str, Any]) -> str:
         f"lm loss {r['loss']:.6E}",
         f"grad norm {r['grad_norm']:.3f}",
     ]
+    if "optimizer" in r:
+        parts.append(f"optimizer {r['optimizer']}")
+    if r.get("ns_time_s") is not None:
+        parts.append(f"NS time (ms) {1000 * r['ns_time_s']:.1f}")
+    if "qk_clip_count" in r:  # --qk-clip-threshold (optimizer/qk_clip.py); max_logit is null on a skipped step
+        seen = [v for v in r.get("max_logit") or () if v is not None]
+        parts += [f"max attention logit {max(seen):.3f}"] if seen else []
+        parts.append(f"qk-clipped heads {r['qk_clip_count']}")
     if r.get("loss_scale") is not None:
         parts.append(f"loss scale {r['loss_scale']:.1f}")
     if r.get("skipped"):

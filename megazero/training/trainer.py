@@ -20,12 +20,13 @@ from ..model.documents import attended_share
 from ..model.flops import flops_per_token
 from ..optimizer.lr import LRSchedule
 from ..optimizer.protocol import TrainingOptimizer
+from ..optimizer.qk_clip import qk_clip_step
 from ..parallel.state import ParallelState, group_rank, group_size
 from ..parallel.timer import DeviceTimer
 from ..pipeline.runner import Schedule, reduce_loss
 from .evaluate import evaluate
 from .flops import achieved_tflops, device_peak_tflops
-from .metrics import MetricsLog, format_eval, format_iteration, peak_memory_bytes
+from .metrics import MetricsLog, OptimizerFields, format_eval, format_iteration, peak_memory_bytes
 from .moe_step import moe_step
 from .parallelize import TrainingModel
 from .progress import Progress, summary
@@ -70,6 +71,8 @@ class Trainer:
         self.ring = ring if ring[1] > 1 else None  # under a ring, this rank counts its own queries' pairs
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
         self.moe = moe_step(cfg.model, pstate, self.chunks)  # expert bias updates, balance records; null when dense
+        self.qk_clip = qk_clip_step(cfg, pstate, self.chunks, model.optimizer)  # MuonClip; null without the flag
+        self.optimizer_fields = OptimizerFields(cfg.optimizer.optimizer)  # its name; Muon's NS time per step
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
         pstate.ledger.timing = cfg.logging.log_timers
 
@@ -79,6 +82,7 @@ class Trainer:
         for chunk in self.chunks:
             chunk.train()
         self.optimizer.zero_grad()
+        self.qk_clip.start_step()  # the step's max logits collect from here; the step clips them
         losses = self.schedule(self.chunks, micro_batches, self.pstate, self.optimizer.no_sync)
         lr = self.lr(self.iteration + 1)
         result = self.optimizer.step(lr)
@@ -145,7 +149,8 @@ class Trainer:
             "step_time_ms": 1000 * elapsed, "tokens_per_sec": tokens_per_step / elapsed,
             "tflops_per_device": tflops, "mfu": self._mfu(model_flops, tokens_per_step, elapsed),
             "peak_memory_bytes": peak_memory_bytes(self.pstate.device), "comm_bytes": self.pstate.ledger.take(),
-            **self.progress.fields(self.iteration), **moe,
+            **self.progress.fields(self.iteration), **moe, **self.optimizer_fields.fields(),
+            **self.qk_clip.fields(),
         }
         if self.cfg.logging.log_timers:
             record["comm_wait_s"] = self.pstate.ledger.take_wait_seconds()
@@ -206,6 +211,7 @@ class Trainer:
         t, every = self.cfg.training, self.cfg.logging.log_interval
         while self.iteration < t.train_iters:
             self.pstate.ledger.take_wait_seconds()
+            self.optimizer_fields.start_step()
             timer = DeviceTimer(self.pstate.device).start()  # CUDA events on CUDA, perf_counter on CPU
             loss, result, lr = self.train_step()
             elapsed = timer.stop().seconds()

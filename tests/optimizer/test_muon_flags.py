@@ -38,11 +38,6 @@ BAD_INPUT = [  # (ranks, flags, the start of the one line after "pretrain_gpt.py
     (2, [*MUON, "--zero", "3"], f"{NOT_BUILT} --zero 3 yet (docs/optimizers.md#status); pass --zero 0, 1 or 2, or "
                                 f"--optimizer adamw."),
     (1, [*MUON, "--zero", "1", "--offload-optimizer", "cpu"], f"{NOT_BUILT} --offload-optimizer cpu yet"),
-    (2, [*MUON, "--pp", "2"], f"{NOT_BUILT} --pp 2 yet"),
-    (2, [*MUON, "--cp", "2"], f"{NOT_BUILT} --cp 2 yet"),
-    (2, [*MUON, "--num-experts", "2", "--ep", "2"], f"{NOT_BUILT} --ep 2 yet"),
-    (1, [*MUON, "--num-experts", "2"], f"{NOT_BUILT} --num-experts 2 yet (docs/optimizers.md#status); pass a "
-                                       f"dense model (no --num-experts), or --optimizer adamw."),
 ]
 
 
@@ -62,7 +57,9 @@ def test_the_layouts_muon_is_built_for_pass_the_checks():
     from megazero.run_plan import RunPlan
 
     for nproc, flags in ((2, ["--zero", "2"]), (2, ["--tp", "2", "--sequence-parallel", "--zero", "1"]),
-                         (4, ["--tp", "2", "--zero", "0", "--bf16"]), (2, ["--zero", "1", "--fp16"])):
+                         (4, ["--tp", "2", "--zero", "0", "--bf16"]), (2, ["--zero", "1", "--fp16"]),
+                         (2, ["--pp", "2"]), (2, ["--cp", "2"]), (1, ["--num-experts", "2"]),
+                         (4, ["--num-experts", "2", "--ep", "2", "--pp", "2", "--zero", "1"])):
         cfg = parse_config([*SMALL, *MUON, *flags])[0]
         cfg.refuse_inapplicable()
         RunPlan.resolve(cfg, nproc)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_fields import check_fields, opt, require
+from .config_fields import check_fields, opt, require, when
 from .moe_config import MoEFields
 
 
@@ -34,16 +34,45 @@ class ModelConfig(MoEFields):
     norm_epsilon: float = opt(1e-5, "LayerNorm/RMSNorm epsilon.", above=0)
     rotary_base: float = opt(10000.0, "RoPE base frequency (llama).", above=0)
     rope_scaling_type: str | None = opt(None, "RoPE frequency scaling (llama): None = plain RoPE; llama3 = "
-                                        "Llama-3.1 scaling (HF rope_type 'llama3') set by the four flags below.",
-                                        choices=("llama3",))
-    rope_scaling_factor: float = opt(8.0, "llama3 RoPE scaling: low frequencies are divided by this (HF factor).")
+                                        "Llama-3.1 scaling (HF rope_type 'llama3') set by the four flags below; "
+                                        "yarn = YaRN as DeepSeek-V3 states it (HF rope_type 'yarn'; with "
+                                        "--multi-latent-attention), set by the factor, original length, beta and "
+                                        "mscale flags.", choices=("llama3", "yarn"))
+    rope_scaling_factor: float = opt(8.0, "llama3/yarn RoPE scaling: low frequencies are divided by this (HF "
+                                     "factor).")
     rope_scaling_low_freq_factor: float = opt(1.0, "llama3 RoPE scaling: wavelengths above original length / this "
                                               "are divided by the factor (HF low_freq_factor).")
     rope_scaling_high_freq_factor: float = opt(4.0, "llama3 RoPE scaling: wavelengths below original length / this "
                                                "are kept; between the two they are blended (HF high_freq_factor).")
     rope_scaling_original_max_position_embeddings: int = opt(
-        8192, "llama3 RoPE scaling: context length the model was first trained at (HF "
+        8192, "llama3/yarn RoPE scaling: context length the model was first trained at (HF "
         "original_max_position_embeddings).")
+    rope_scaling_beta_fast: float = opt(32.0, "yarn RoPE scaling: dimensions turning more than this many times over "
+                                        "the original length keep their frequency (HF beta_fast).", above=0,
+                                        applies=when("rope_scaling_type", "yarn"))
+    rope_scaling_beta_slow: float = opt(1.0, "yarn RoPE scaling: dimensions turning fewer times than this are "
+                                        "divided by the factor; between the two they are blended (HF beta_slow).",
+                                        above=0, applies=when("rope_scaling_type", "yarn"))
+    rope_scaling_mscale: float = opt(1.0, "yarn RoPE scaling: cos/sin are multiplied by mscale(factor, this) / "
+                                     "mscale(factor, --rope-scaling-mscale-all-dim), mscale(f, m) = 0.1 m ln f + 1 "
+                                     "(HF mscale).", above=0, applies=when("rope_scaling_type", "yarn"))
+    rope_scaling_mscale_all_dim: float = opt(0.0, "yarn RoPE scaling: the softmax scale is multiplied by mscale("
+                                             "factor, this)^2; 0 = cos/sin scaled by mscale(factor, 1) instead (HF "
+                                             "mscale_all_dim).", at_least=0, applies=when("rope_scaling_type", "yarn"))
+    multi_latent_attention: bool = opt(False, "Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): queries through "
+                                       "a low-rank latent (or one projection), keys and values from a shared "
+                                       "compressed latent plus one decoupled RoPE key "
+                                       "(docs/architecture.md#mla-multi-head-latent-attention).")
+    q_lora_rank: int | None = opt(None, "MLA: the query latent's width; None = one query projection (as "
+                                  "DeepSeek-V2-Lite).", at_least=1, applies=when("multi_latent_attention", True))
+    kv_lora_rank: int = opt(32, "MLA: the key/value latent's width (what a cache would hold per token, with the "
+                            "RoPE key).", at_least=1, applies=when("multi_latent_attention", True))
+    qk_head_dim: int = opt(128, "MLA: the query/key head width without positions (HF qk_nope_head_dim).", at_least=1,
+                           applies=when("multi_latent_attention", True))
+    qk_pos_emb_head_dim: int = opt(64, "MLA: the decoupled RoPE part of each query/key head, the key's shared by "
+                                   "all heads (HF qk_rope_head_dim).", at_least=2,
+                                   applies=when("multi_latent_attention", True))
+    v_head_dim: int = opt(128, "MLA: the value head width.", at_least=1, applies=when("multi_latent_attention", True))
     qk_layernorm: bool = opt(False, "Per-head RMSNorm of queries and keys after the QKV projection, before RoPE "
                              "(llama family; Qwen3's q_norm/k_norm).")
     untie_embeddings_and_output_weights: bool | None = opt(
@@ -53,10 +82,11 @@ class ModelConfig(MoEFields):
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(self.kv_channels is not None or self.hidden_size % self.num_attention_heads == 0,
+        require(self.kv_channels is not None or self.multi_latent_attention
+                or self.hidden_size % self.num_attention_heads == 0,
                  f"--hidden-size ({self.hidden_size}) must be divisible by --num-attention-heads "
                  f"({self.num_attention_heads}); pick sizes whose ratio is the head dimension, or set --kv-channels.")
-        require(self.arch != "llama" or self.head_dim % 2 == 0,
+        require(self.arch != "llama" or self.multi_latent_attention or self.head_dim % 2 == 0,
                  f"the head dimension ({self.head_dim}) must be even for RoPE (it rotates pairs); pick an even "
                  "--kv-channels or --hidden-size / --num-attention-heads.")
         groups = self.query_groups
@@ -69,18 +99,43 @@ class ModelConfig(MoEFields):
         require(not self.qk_layernorm or self.arch == "llama",
                  "--qk-layernorm needs --arch llama (it normalises RoPE queries and keys); drop the flag.")
         self._check_rope_scaling()
+        self._check_mla()
         self._check_moe(self.num_layers)
+
+    def _check_mla(self) -> None:
+        """MLA replaces the head layout: the flags of the plain one cannot apply to it."""
+        if not self.multi_latent_attention:
+            return
+        require(self.arch == "llama", "--multi-latent-attention needs --arch llama (its decoupled key is RoPE; gpt2 "
+                                      "has learned positions); pass --arch llama.")
+        for given, name in ((self.num_query_groups, "--num-query-groups"), (self.kv_channels, "--kv-channels")):
+            require(given is None, f"{name} does not apply with --multi-latent-attention (every head has its own key "
+                                   f"and value, of --qk-head-dim + --qk-pos-emb-head-dim and --v-head-dim); drop it.")
+        require(not self.qk_layernorm, "--qk-layernorm does not apply with --multi-latent-attention (its latents are "
+                                       "normalised instead); drop it.")
+        require(self.qk_pos_emb_head_dim % 2 == 0,
+                f"--qk-pos-emb-head-dim ({self.qk_pos_emb_head_dim}) must be even for RoPE (it rotates pairs); pick "
+                f"an even width.")
 
     def _check_rope_scaling(self) -> None:
         """Scaling values must make sense, and never be given without a type that uses them."""
         kind = self.rope_scaling_type
         require(kind is None or self.arch == "llama",
                  f"--rope-scaling-type {kind} needs --arch llama (gpt2 has no RoPE); drop the flag.")
-        values = (self.rope_scaling_factor, self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor,
-                  self.rope_scaling_original_max_position_embeddings)
-        require(kind is not None or values == (8.0, 1.0, 4.0, 8192),
-                 "--rope-scaling-factor/-low-freq-factor/-high-freq-factor/-original-max-position-embeddings "
-                 "only apply with --rope-scaling-type llama3; add it or drop them.")
+        require(kind != "yarn" or self.multi_latent_attention,
+                "--rope-scaling-type yarn is built for --multi-latent-attention only (its softmax-scale correction "
+                "lives there); add it, or use --rope-scaling-type llama3.")
+        shared = (self.rope_scaling_factor, self.rope_scaling_original_max_position_embeddings)
+        require(kind is not None or shared == (8.0, 8192),
+                "--rope-scaling-factor/-original-max-position-embeddings only apply with --rope-scaling-type llama3 "
+                "or yarn; add it or drop them.")
+        llama3_only = (self.rope_scaling_low_freq_factor, self.rope_scaling_high_freq_factor)
+        require(kind == "llama3" or llama3_only == (1.0, 4.0),
+                "--rope-scaling-low-freq-factor/-high-freq-factor only apply with --rope-scaling-type llama3; add it "
+                "or drop them.")
+        require(kind != "yarn" or self.rope_scaling_mscale == 1.0 or self.rope_scaling_mscale_all_dim > 0,
+                f"--rope-scaling-mscale {self.rope_scaling_mscale} needs a nonzero --rope-scaling-mscale-all-dim (with "
+                f"0 the cos/sin scale is mscale(factor, 1), as transformers reads it); pass both or drop it.")
         require(self.rope_scaling_factor >= 1.0,
                  f"--rope-scaling-factor must be >= 1, got {self.rope_scaling_factor}.")
         require(0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor,

@@ -62,7 +62,7 @@ BAD_CHOICE = [  # (YAML line, the one line)
     ("main_grads_dtype: fp16", "--main-grads-dtype must be fp32 or bf16, got 'fp16'"),
     ("compile_backend: cudagraphs", "--compile-backend must be inductor, aot_eager or eager, got 'cudagraphs'"),
     ("wandb_mode: dryrun", "--wandb-mode must be online, offline or disabled, got 'dryrun'"),
-    ("rope_scaling_type: yarn", "--rope-scaling-type must be llama3, got 'yarn'"),
+    ("rope_scaling_type: dynamic", "--rope-scaling-type must be llama3 or yarn, got 'dynamic'"),
 ]
 
 

@@ -111,6 +111,8 @@ def _llama_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
 
 def to_hf(src: State, cfg: ModelConfig) -> State:
     """Full megazero state -> HF state dict (contiguous tensors, vocabulary padding dropped)."""
+    if cfg.multi_latent_attention:
+        hf_config(cfg)  # raises: MLA has no HF mapping yet
     if cfg.num_experts is not None:
         moe_config_fields(cfg)  # raises naming what HF's MoE classes cannot compute, before any tensor is read
     vocab = cfg.vocab_size

@@ -46,6 +46,9 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
     ``architectures`` and ``dtype`` (the weights' dtype) are written as ``save_pretrained`` of a model
     writes them: ``AutoModelForCausalLM`` picks the class from the one, and loads in the other.
     """
+    if cfg.multi_latent_attention:
+        raise ValueError("--multi-latent-attention cannot be converted to HF yet (issue 43: DeepseekV3ForCausalLM); "
+                         "keep the megazero checkpoint.")
     import transformers
 
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}

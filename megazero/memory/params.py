@@ -10,6 +10,11 @@ equals ``count_parameters`` of the built model, vocabulary padding included):
                             (+ h bias, gpt2)                               replicated
                 mlp         gpt2: f h + f + h f (split), + h bias (replicated)
                             llama: 3 f h (gate, up, down; split)
+    MLA         (--multi-latent-attention, in the qkv/proj/head-norm place; no biases; D = dq + dr, the
+                query/key head width; rq / rkv the q / kv latent widths)
+                q_down h rq + q_norm rq (replicated), q_up rq n D (split)      (no q LoRA: q_proj h n D, split)
+                kv_down h (rkv + dr) + kv_norm rkv (replicated), kv_up rkv n (dq + dv) (split)
+                proj n dv h (split)
     MoE layer   the router E h (replicated) and a shared expert (split) in the mlp's place;
                 the routed experts are counted apart (``experts.py``: E / ep per rank, split over etp)
     embedding   V_pad h (split) + P h learned positions (gpt2, replicated)
@@ -68,15 +73,35 @@ def _norm(cfg: ModelConfig) -> int:
     return 2 * cfg.hidden_size if cfg.arch == "gpt2" else cfg.hidden_size
 
 
-def block_params(cfg: ModelConfig, layer_id: int = 0) -> ParamCount:
-    """One block's parameters; an MoE layer's MLP slot holds the router and shared expert (the routed experts
-    are counted apart, ``experts.py``)."""
-    h, f, d = cfg.hidden_size, cfg.ffn_size, cfg.head_dim
+def mla_param_numels(cfg: ModelConfig, tp: int) -> list[tuple[int, bool]]:
+    """MLA's parameters on one TP rank in registration order, each (numel, replicated) (module docstring)."""
+    h, n, dr, dv = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_pos_emb_head_dim, cfg.v_head_dim
+    d, rq, rkv = cfg.qk_head_dim + dr, cfg.q_lora_rank, cfg.kv_lora_rank
+    query = [(h * rq, True), (rq, True), (rq * n * d // tp, False)] if rq is not None else [(h * n * d // tp, False)]
+    return query + [(h * (rkv + dr), True), (rkv, True), (rkv * n * (cfg.qk_head_dim + dv) // tp, False),
+                    (n * dv * h // tp, False)]
+
+
+def attention_params(cfg: ModelConfig) -> ParamCount:
+    """One block's attention (qkv, proj, head norms; or MLA's projections and latent norms)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    if cfg.multi_latent_attention:
+        numels = mla_param_numels(cfg, 1)
+        return ParamCount(sum(k for k, rep in numels if not rep), sum(k for k, rep in numels if rep))
     qkv = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
     bias = cfg.arch == "gpt2"
     split = qkv * h + (qkv if bias else 0) + h * cfg.num_attention_heads * d
-    replicated = 2 * _norm(cfg) + (h if bias else 0)  # norms, the proj bias
-    replicated += 2 * d if cfg.qk_layernorm else 0  # the q and k head norms
+    replicated = (h if bias else 0) + (2 * d if cfg.qk_layernorm else 0)  # the proj bias, the q and k head norms
+    return ParamCount(split, replicated)
+
+
+def block_params(cfg: ModelConfig, layer_id: int = 0) -> ParamCount:
+    """One block's parameters; an MoE layer's MLP slot holds the router and shared expert (the routed experts
+    are counted apart, ``experts.py``)."""
+    h, f = cfg.hidden_size, cfg.ffn_size
+    bias = cfg.arch == "gpt2"
+    attention = attention_params(cfg)
+    split, replicated = attention.split, 2 * _norm(cfg) + attention.replicated  # + the two block norms
     if cfg.num_experts is not None and cfg.is_moe_layer(layer_id):  # a dense model never parses the pattern
         mlp_split, mlp_replicated = moe_mlp_params(cfg)
     else:
@@ -111,6 +136,8 @@ def block_param_numels(cfg: ModelConfig, tp: int, layer_id: int = 0) -> list[int
     attn = [qkv * h, qkv, h * cfg.num_attention_heads * cfg.head_dim // tp, h] if gpt2 else \
         [qkv * h, h * cfg.num_attention_heads * cfg.head_dim // tp]
     attn += [cfg.head_dim, cfg.head_dim] if cfg.qk_layernorm else []  # q_norm, k_norm (after proj)
+    if cfg.multi_latent_attention:
+        attn = [numel for numel, _ in mla_param_numels(cfg, tp)]
     mlp = [f // tp * h, f // tp, h * f // tp, h] if gpt2 else [f // tp * h, f // tp * h, h * f // tp]
     return norm + attn + norm + (moe_mlp_numels(cfg, tp) if cfg.num_experts and cfg.is_moe_layer(layer_id) else mlp)
 

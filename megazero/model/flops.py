@@ -16,6 +16,15 @@ forward. Recomputation adds forward work again: ``full`` re-runs the whole
 forward of the recomputed layers, ``selective`` only the attention core
 (scores and mix).
 
+With --multi-latent-attention (``mla.py``: D = dq + dr the query/key head width, dv the value head width,
+rq / rkv the latent widths) the attention rows are
+
+    queries              2 * (h * rq + rq * n * D)   (no q LoRA: 2 * h * n * D)
+    latent               2 * h * (rkv + dr)  +  2 * rkv * n * (dq + dv)   (down, then up to keys and values)
+    scores  Q K^T        2 * s * n * D
+    mix     P V          2 * s * n * dv     (the useful work: the core's zero-padded v columns are not counted)
+    output projection    2 * n * dv * h
+
 In an MoE layer (``cfg.is_moe_layer``) the MLP term counts the *active* parameters, what one token
 runs through, never all E experts (F the routed expert width ``moe_ffn_size``, F_s the shared expert's,
 m = 3 for llama's SwiGLU experts, 2 for gpt2's):
@@ -54,11 +63,22 @@ def layer_forward_flops(cfg: ModelConfig, attended_share: float | None = None,
     """(whole layer, attention core only) forward FLOPs per token of transformer layer ``layer_id``;
     ``attended_share`` scales the core to the pairs a document mask leaves (None: full causal)."""
     h, n, g, d, s = cfg.hidden_size, cfg.num_attention_heads, cfg.query_groups, cfg.head_dim, cfg.seq_length
-    core: float = 2 * s * n * d * 2
+    projections, core = (mla_flops(cfg) if cfg.multi_latent_attention
+                         else (2 * h * (n + 2 * g) * d + 2 * n * d * h, 2 * s * n * d * 2))
     if attended_share is not None:
         core *= attended_share
-    total = 2 * h * (n + 2 * g) * d + core + 2 * n * d * h + mlp_forward_flops(cfg, layer_id)
+    total = projections + core + mlp_forward_flops(cfg, layer_id)
     return float(total), float(core)
+
+
+def mla_flops(cfg: ModelConfig) -> tuple[float, float]:
+    """(projections, core) forward FLOPs per token of one MLA layer (module docstring)."""
+    h, n, s, dq, dr, dv = (cfg.hidden_size, cfg.num_attention_heads, cfg.seq_length, cfg.qk_head_dim,
+                           cfg.qk_pos_emb_head_dim, cfg.v_head_dim)
+    rq, rkv = cfg.q_lora_rank, cfg.kv_lora_rank
+    queries = h * n * (dq + dr) if rq is None else h * rq + rq * n * (dq + dr)
+    latent = h * (rkv + dr) + rkv * n * (dq + dv)
+    return 2.0 * (queries + latent + n * dv * h), 2.0 * s * n * (dq + dr + dv)
 
 
 def flops_per_token(cfg: ModelConfig, recompute: str = "none", recompute_num_layers: int | None = None,

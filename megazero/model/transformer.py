@@ -12,7 +12,6 @@ and the full (TP=1) layout does not depend on the TP size.
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +32,9 @@ from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, sc
 from ..tensor_parallel.random import DropoutRNG, stream_name
 from .documents import Documents
 from .kv_cache import KVCache, cached_attention
+from .mla import MLA
 from .recompute import checkpointed_block, checkpointed_core
+from .rope import apply_rotary, rotary_cos_sin, rotary_inv_freq  # noqa: F401 (rotary_inv_freq: its old home)
 
 
 @dataclass
@@ -106,45 +107,6 @@ def make_head_norm(cfg: ModelConfig) -> nn.Module:
     norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_epsilon)
     set_spec(norm.weight, sequence_parallel=True, init_value=1.0)
     return norm
-
-
-def rotary_inv_freq(cfg: ModelConfig, device: torch.device | str) -> torch.Tensor:
-    """RoPE inverse frequencies [d/2], with Llama-3 scaling when ``cfg.rope_scaling_type`` is llama3.
-
-    Llama-3 scaling stretches the context by keeping short wavelengths (they resolve nearby tokens),
-    dividing long ones by ``factor`` (they are what stops generalising past the original length),
-    and blending linearly, in 1/wavelength, between the two cut-offs.
-    """
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    if cfg.rope_scaling_type is None:
-        return inv_freq
-    factor, low, high = cfg.rope_scaling_factor, cfg.rope_scaling_low_freq_factor, cfg.rope_scaling_high_freq_factor
-    original = cfg.rope_scaling_original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    blend = (original / wavelen - low) / (high - low)  # 0 at the long cut-off, 1 at the short one
-    blended = (1 - blend) * inv_freq / factor + blend * inv_freq
-    long_scaled = torch.where(wavelen > original / low, inv_freq / factor, blended)
-    return torch.where(wavelen < original / high, inv_freq, long_scaled)
-
-
-def rotary_cos_sin(positions: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables for rotate-half RoPE (the layout HF Llama uses) at ``positions``: [s, d] for global
-    positions [s]; [b, 1, s, d] (broadcast over heads) for per-sample positions [b, s]."""
-    inv_freq = rotary_inv_freq(cfg, positions.device)
-    if positions.dim() == 2:
-        angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
-    angles = torch.outer(positions.to(torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rotary(x_bnsd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x_bnsd.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return (x_bnsd.float() * cos + rotated.float() * sin).to(x_bnsd.dtype)
 
 
 class Attention(nn.Module):
@@ -249,7 +211,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.cfg, self.ctx, self.layer_id = cfg, ctx, layer_id
         self.norm1 = make_norm(cfg, ctx)
-        self.attention = Attention(cfg, ctx, layer_id)
+        self.attention: Attention | MLA = (MLA if cfg.multi_latent_attention else Attention)(cfg, ctx, layer_id)
         self.norm2 = make_norm(cfg, ctx)
         self.mlp: MLP | MoELayer = MoELayer(cfg, ctx.experts, layer_id) if cfg.is_moe_layer(layer_id) else MLP(cfg, ctx)
         self.recompute = "none"  # ``recompute.apply_recompute``: "full" checkpoints this block (its compiled body)

@@ -134,6 +134,8 @@ class MoEFields:
                                        f"pick a divisor of E.")
         require(keep <= groups, f"--moe-router-group-topk ({keep}) must not exceed --moe-router-num-groups "
                                 f"({groups}); keep at most every group.")
+        require(k >= keep, f"--moe-router-topk ({k}) below --moe-router-group-topk ({keep}) scores every group 0 (a "
+                           f"group's score is the sum of its best k // group_topk experts); keep at most k groups.")
         require(k <= keep * (experts // groups),
                 f"--moe-router-topk ({k}) exceeds the {keep * (experts // groups)} experts of the "
                 f"--moe-router-group-topk {keep} groups kept; raise --moe-router-group-topk or lower k.")

@@ -7,14 +7,15 @@ experts is discrete, and a bf16 logit flips it on a rounding. Choices (Megatron-
 
 - softmax, ``moe_router_pre_softmax`` False: top-k of the logits, softmax over those k (Mixtral; Qwen3
   with norm_topk_prob). True: softmax over all E, top-k, no renormalising (Qwen3 without it).
-- sigmoid: top-k of the sigmoid scores, weights = the chosen scores normalised to sum 1 when k > 1
-  (DeepSeek-V3).
+- sigmoid: top-k of the sigmoid scores, weights = the chosen scores over (their sum + 1e-20) when k > 1
+  (DeepSeek-V3's ``norm_topk_prob``; Megatron's rule, so at k 1 the weight is the score, not the constant 1).
 - group-limited (``moe_router_num_groups`` G, ``moe_router_group_topk`` g): a group's score is the sum of
-  its best k // g expert scores (Megatron's rule; DeepSeek-V3's top-2 at k 8, g 4); the top-k is taken
-  among the experts of the g best groups only.
-- ``moe_router_topk_scaling_factor`` multiplies the weights.
-- aux-loss-free balancing: ``expert_bias`` (fp32, saved in checkpoints) is added to the scores for the
-  choice only; the weights come from the scores without it.
+  its best k // g expert scores, the bias included (Megatron's rule; DeepSeek-V3 sums the best 2, the same
+  rule wherever k // g is 2: V3/R1's k 8, g 4); the top-k is taken among the experts of the g best groups.
+- ``moe_router_topk_scaling_factor`` multiplies the weights (DeepSeek-V3's ``routed_scaling_factor``).
+- aux-loss-free balancing: ``expert_bias`` (fp32, saved in checkpoints; DeepSeek-V3's
+  ``e_score_correction_bias``) is added to the scores for the choice (groups and top-k) only; the weights
+  come from the scores without it.
 - ``moe_router_force_balance``: token t's j-th expert is (t k + j) % E, exactly balanced when T k is a
   multiple of E; the weights still come from the scores, so gradients flow as in a real run.
 """
@@ -44,7 +45,8 @@ def group_limited_topk(scores_TE: torch.Tensor, topk: int, num_groups: int, grou
     """[T, k] experts: the top-k among the experts of each token's ``group_topk`` best groups.
 
     A group's score is the sum of its best ``topk // group_topk`` expert scores, so a group is chosen
-    for the experts it could contribute, not for a single outlier or for its weak members.
+    for the experts it could contribute, not for a single outlier or for its weak members (the config
+    refuses k < group_topk, where that sum is empty and every group would tie).
     """
     tokens, experts = scores_TE.shape
     grouped_TGX = scores_TE.view(tokens, num_groups, experts // num_groups)
@@ -139,7 +141,7 @@ class Router(nn.Module):
         cfg = self.cfg
         chosen_TK = scores_TE.gather(1, experts_TK)
         if cfg.moe_router_score_function == "sigmoid":
-            probs_TK = chosen_TK / chosen_TK.sum(dim=-1, keepdim=True) if self.topk > 1 else chosen_TK
+            probs_TK = chosen_TK / (chosen_TK.sum(dim=-1, keepdim=True) + 1e-20) if self.topk > 1 else chosen_TK
         else:
             probs_TK = chosen_TK if cfg.moe_router_pre_softmax else torch.softmax(chosen_TK, dim=-1)
         factor = cfg.moe_router_topk_scaling_factor

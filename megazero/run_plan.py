@@ -266,8 +266,6 @@ def _check_context_parallel(cfg: Config) -> CPSplit:
     split = CPSplit(cp=p.cp, a2a=p.cp_a2a)
     if p.cp == 1:
         return split
-    require(not m.multi_latent_attention, f"--multi-latent-attention is not built for --cp {p.cp} yet "
-                                          f"(docs/architecture.md#mla-multi-head-latent-attention); pass --cp 1.")
     split.check(m.seq_length)
     heads, groups = m.num_attention_heads // p.tp, m.query_groups // p.tp
     if p.cp_a2a > 1:

@@ -26,8 +26,12 @@ ranks (reduce-scatter with SP, all-reduce without).
 
 The core takes q, k, v of one width: v is zero-padded to dq + dr (or q, k to dv when dv is wider) and the output
 cut back, so the fused kernels that need equal widths (CPU's and CUDA's flash, the per-document kernel) run, and
-the softmax scale is folded into q (the kernels scale by 1/sqrt(width)). Not built yet (refused where a run is
-configured): context parallelism, a KV cache for generation, HF conversion.
+the softmax scale is folded into q (the kernels scale by 1/sqrt(width)). The same padded q, k, v go through
+``context_parallel.cp_attention`` under --cp (ring, all-to-all, hybrid; documents), as plain attention's do.
+
+Decoding (``decode``, a ``kv_cache.LatentKVCache``) caches per token and layer kv_norm(c_kv) [rkv] and the
+RoPE'd k_rope [dr], and absorbs kv_up into the query (its key rows) and the output (its value rows), so the
+per-head keys and values are never built. Not built yet (refused where a run is configured): HF conversion.
 """
 from __future__ import annotations
 
@@ -40,11 +44,13 @@ from einops import rearrange
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel.attention import cp_attention
 from ..context_parallel.doc_blocks import Bounds, document_attention
 from ..parallel.state import group_size
 from ..tensor_parallel.comm import all_gather_first_dim, all_reduce_in_place, reduce_scatter_first_dim
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from .documents import Documents
+from .kv_cache import KVCache, LatentKVCache, cached_attention
 from .recompute import checkpointed_core
 from .rope import apply_rotary, rotary_cos_sin, softmax_scale_correction
 
@@ -150,6 +156,8 @@ class MLA(nn.Module):
                        bounds: Bounds | None = None) -> torch.Tensor:
         """softmax(QK^T / sqrt(width)) V, causal (within each document when ``bounds`` is given); dropout from
         the layer's per-TP-rank stream (heads are split), as ``transformer.Attention.core_attention``."""
+        if self.ctx.cp.active:  # the ring, all-to-all or both, as plain attention's core (no dropout: refused)
+            return cp_attention(q_bnsd, k_bnsd, v_bnsd, self.ctx.cp, bounds)
         dropout = self.cfg.attention_dropout if self.training else 0.0
         rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
         with rng:
@@ -157,15 +165,40 @@ class MLA(nn.Module):
                 return document_attention(q_bnsd, k_bnsd, v_bnsd, bounds, dropout_p=dropout)
             return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, dropout_p=dropout, is_causal=True)
 
-    def forward(self, x: torch.Tensor, cache: Any = None, documents: Documents | None = None) -> torch.Tensor:
-        """``documents`` (packed samples): positions that restart, attention kept in documents."""
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """``cache`` (decoding only): see ``decode``. ``documents`` (packed samples): positions that restart,
+        attention kept in documents."""
         if cache is not None:
-            raise NotImplementedError("generation with --multi-latent-attention (a latent KV cache) is not built "
-                                      "yet (issue 43); generate with a model without it.")
+            return self.decode(x, cache)
         q_bnsd, k_bnsd, v_bnsd = self.heads(x, documents)
         bounds = None if documents is None else documents.bounds
         attend = _EAGER_ATTEND["attend"] if self.core_eager else MLA.attend
         out_bnsd = attend(self, q_bnsd, k_bnsd, v_bnsd, bounds)[..., :self.dv]
+        return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
+
+    def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The new tokens [s, b, h] after those in ``cache`` (a ``LatentKVCache``), with the up-projection
+        absorbed: their [kv_norm(c_kv), RoPE(k_rope)] are cached; each query's no-position part is taken
+        through kv_up's key rows into the latent (q_nope W_uk . c = q_nope . k_nope), attends over the
+        cached latents and RoPE keys (one key "head" shared by all heads), and the attended latent goes
+        through kv_up's value rows (p (c W_uv^T) = (p c) W_uv^T). Neither k_nope nor v is ever built."""
+        if not isinstance(cache, LatentKVCache):
+            raise TypeError("--multi-latent-attention decodes with a LatentKVCache (KVCache.for_model of an MLA "
+                            f"config), not a {type(cache).__name__}")
+        cfg, dq, dr, dv = self.cfg, self.dq, self.dr, self.dv
+        q = self.q_up(self.q_norm(self.q_down(x))) if cfg.q_lora_rank is not None else self.q_proj(x)
+        c_kv, k_rope = self.kv_down(x).split([cfg.kv_lora_rank, dr], dim=-1)
+        cos, sin = rotary_cos_sin(cache.positions(x.shape[0], x.device), cfg, dr)
+        k_rope_bsd = apply_rotary(rearrange(k_rope, "s b d -> b 1 s d"), cos, sin)[:, 0]
+        new_bsc = torch.cat([rearrange(self.kv_norm(c_kv), "s b c -> b s c"), k_rope_bsd], dim=-1)
+        cached_btc = cache.update_latent(self.layer_id, new_bsc).unsqueeze(1)  # [b, 1, t, rkv + dr]
+        q_nope, q_rope = rearrange(q, "s b (n d) -> b n s d", d=dq + dr).split([dq, dr], dim=-1)
+        w_uk, w_uv = rearrange(self.kv_up.weight, "(n d) c -> n d c", d=dq + dv).split([dq, dv], dim=1)
+        query = torch.cat([torch.einsum("bnsd,ndc->bnsc", q_nope, w_uk), apply_rotary(q_rope, cos, sin)], dim=-1)
+        scale = self.query_scale / self.width ** 0.5  # 1/sqrt(dq + dr) x YaRN's correction, as in training
+        latent_bnsc = cached_attention(query, cached_btc, cached_btc[..., :cfg.kv_lora_rank], scale=scale)
+        out_bnsd = torch.einsum("bnsc,ndc->bnsd", latent_bnsc, w_uv)
         return self.proj(rearrange(out_bnsd, "b n s d -> s b (n d)"))
 
     def heads(self, x: torch.Tensor,

@@ -32,7 +32,6 @@ from megazero.model.chunk import blocks_of
 from megazero.model.documents import Documents
 from megazero.model.flops import layer_forward_flops
 from megazero.model.gpt import GPTModel
-from megazero.model.kv_cache import KVCache
 from megazero.model.mla import MLA
 from megazero.model.recompute import apply_recompute
 from megazero.model.rope import rotary_inv_freq
@@ -216,7 +215,6 @@ REFUSED = {  # the flags added to a valid MLA run -> what the one line must name
     ("--qk-pos-emb-head-dim", "3"): "--qk-pos-emb-head-dim (3) must be even",
     ("--num-attention-heads", "3", "--tp", "2"): "--num-attention-heads (3) must be divisible by "
                                                  "--tensor-model-parallel-size (2)",
-    ("--cp", "2"): "--multi-latent-attention is not built for --cp 2",
     ("--rope-scaling-beta-fast", "16"): "--rope-scaling-beta-fast 16.0 only applies with --rope-scaling-type yarn",
     ("--rope-scaling-type", "yarn", "--rope-scaling-mscale", "0.7"): "--rope-scaling-mscale 0.7 needs a nonzero",
 }
@@ -281,9 +279,6 @@ def test_what_is_not_built_is_refused():
     cfg = tiny_mla().model
     with pytest.raises(ValueError, match="--multi-latent-attention cannot be converted to HF yet"):
         to_hf({}, cfg)
-    model = GPTModel(cfg, TPContext())
-    with pytest.raises(NotImplementedError, match="generation with --multi-latent-attention"):
-        model.decode(torch.zeros(1, 4, dtype=torch.long), KVCache.for_model(cfg, 1, 8, dtype=torch.float32))
 
 
 RUNS = [("tp2", tiny_mla(**degrees(tp=2))), ("tp2.sp", tiny_mla(**degrees(tp=2, sp=True)))]

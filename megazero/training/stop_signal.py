@@ -37,6 +37,7 @@ class StopSignal:
         self.previous: dict[int, Any] = {}
         self._previous_fd = -1
         self._write_fd: int | None = None
+        self.first_at: float | None = None  # monotonic time the watcher read the first signal
 
     def install(self) -> None:
         """Take over SIGTERM/SIGINT (main thread only) and start the watcher thread."""
@@ -51,25 +52,28 @@ class StopSignal:
         self.received = True  # the watcher counts the signals and decides when to exit
 
     def _watch(self, read_fd: int) -> None:
-        first_at: float | None = None
         with os.fdopen(read_fd, "rb", buffering=0) as pipe:
             while byte := pipe.read(1):
                 if byte[0] not in self.SIGNALS:
                     continue
                 self.received = True
                 name, now = signal.Signals(byte[0]).name, time.monotonic()
-                if first_at is None:
-                    first_at = now
+                if self.first_at is None:
+                    self.first_at = now
                     print(f"megazero: rank {self.rank}: {name} received: will save after this step; "
                           f"send it again to exit at once (a repeat within {self.REPEAT_S:g} s counts as this "
                           "one)", file=sys.stderr, flush=True)
-                elif now - first_at >= self.REPEAT_S:
+                elif now - self.first_at >= self.REPEAT_S:
                     print(f"megazero: rank {self.rank}: second {name}: exiting now without saving",
                           file=sys.stderr, flush=True)
                     os._exit(128 + byte[0])
 
     def restore(self) -> None:
-        """Give the signals back; the watcher thread ends when its pipe closes."""
+        """Give the signals back; the watcher thread ends when its pipe closes. A stop that finished within
+        ``REPEAT_S`` of its signal keeps them until then: the duplicate delivery still on its way would
+        otherwise meet the default handler and kill the process after its save."""
+        if self.first_at is not None:
+            time.sleep(max(0.0, self.REPEAT_S - (time.monotonic() - self.first_at)))
         if self._write_fd is not None:
             signal.set_wakeup_fd(self._previous_fd)
             os.close(self._write_fd)

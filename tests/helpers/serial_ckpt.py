@@ -48,8 +48,8 @@ def load(root: str, arch: str = "gpt2", hidden: int = 32) -> None:
     """Load the checkpoint under ``root`` into a fresh serial model and optimizer, as a resume does."""
     folder = storage.resolve(root)
     meta = storage.read_metadata(folder)
-    dense_keys = frozenset(ckpt_load.model_keys()) - {f.name for f in dataclasses.fields(MoEFields)}
-    typed = dataclasses.replace(tiny_cfg(arch, hidden), explicit=dense_keys)  # as if the (dense) model were typed
+    cfg = tiny_cfg(arch, hidden)
+    typed = dataclasses.replace(cfg, explicit=_typable_dense_keys(cfg))  # as if the (dense) model were typed
     ckpt_load.merge_config(meta, typed)
     _, pstate, model = build(arch, hidden, weights=(folder, meta))
     ckpt_load.load_optimizer_state(folder, meta, model, pstate)
@@ -80,3 +80,14 @@ if __name__ == "__main__":
         hang_mid_write()
     torch.set_num_threads(1)
     print(save(sys.argv[1], int(sys.argv[2])), flush=True)
+
+
+def _typable_dense_keys(cfg: Config) -> frozenset[str]:
+    """The dense model's keys a user could type for ``cfg``'s model: a setting whose ``applies`` rule fails here
+    (YaRN's betas without ``--rope-scaling-type yarn``, MLA's ranks without MLA) would be refused if typed."""
+    dense = set(ckpt_load.model_keys()) - {f.name for f in dataclasses.fields(MoEFields)}
+    values = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}
+    refused = {f.name for f in dataclasses.fields(cfg.model)
+               if (needs := f.metadata.get("applies")) is not None and all(n in values for n in needs.on)
+               and not needs.test(*(values[n] for n in needs.on))}
+    return frozenset(dense - refused)

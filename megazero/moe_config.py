@@ -6,6 +6,7 @@ like every other model setting while their checks stay here. Flag names are Mega
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,8 +147,10 @@ class MoEFields:
             return (False,) * num_layers
         if self.moe_layer_freq is None:
             return (True,) * num_layers
-        entries = " ".join(self.moe_layer_freq).replace(",", " ").strip().removeprefix("[").removesuffix("]").split()
         shown = " ".join(self.moe_layer_freq)
+        expanded = _expand_pattern_expression(shown)
+        entries = expanded if expanded is not None else \
+            shown.replace(",", " ").strip().removeprefix("[").removesuffix("]").split()
         if len(self.moe_layer_freq) == 1 and entries == self.moe_layer_freq:  # one bare number: every N-th layer
             every = int(entries[0]) if entries[0].isdigit() else 0
             require(every >= 1, f"--moe-layer-freq {shown!r} must be an integer N >= 1 or a 0/1 pattern such as "
@@ -155,7 +158,7 @@ class MoEFields:
             return tuple(layer % every == 0 for layer in range(num_layers))
         if any(entry not in ("0", "1") for entry in entries):
             raise ConfigError(f"--moe-layer-freq {shown!r} must be an integer N >= 1 or a list of 0 and 1 such as "
-                              f"'[0,1,1,1]' (no expressions); fix the value.")
+                              f"'[0,1,1,1]' or Megatron's '([0]*3+[1]*58)'; fix the value.")
         require(len(entries) == num_layers, f"--moe-layer-freq has {len(entries)} entries but --num-layers is "
                                             f"{num_layers}; give one 0/1 per layer.")
         return tuple(entry == "1" for entry in entries)
@@ -174,3 +177,24 @@ class MoEFields:
 
         @property
         def ffn_size(self) -> int: ...
+
+
+_TERM = re.compile(r"\[\s*([01](?:\s*,\s*[01])*)\s*\](?:\s*\*\s*(\d+))?")
+
+
+def _expand_pattern_expression(text: str) -> list[str] | None:
+    """Megatron's Python-expression form, '([0]*3+[1]*58)': 0/1 lists times counts joined by '+', read without
+    eval; None when ``text`` is not of that form with at least one '*' or '+' (a plain list is read as before)."""
+    body = text.strip()
+    if body.startswith("(") and body.endswith(")"):
+        body = body[1:-1].strip()
+    if "*" not in body and "+" not in body:
+        return None
+    entries: list[str] = []
+    for term in body.split("+"):
+        match = _TERM.fullmatch(term.strip())
+        if match is None:
+            return ["?"]  # not 0/1 lists times counts: refused by the caller's one line
+        values = [v.strip() for v in match.group(1).split(",")]
+        entries += values * int(match.group(2) or 1)
+    return entries

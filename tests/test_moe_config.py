@@ -93,8 +93,9 @@ def test_a_moe_flag_without_num_experts_is_refused(name):
                                                 "--moe-router-enable-expert-bias"),
     (["--moe-layer-freq", "[0,1,1]"], "--moe-layer-freq has 3 entries but --num-layers is 4; give one 0/1 per layer."),
     (["--moe-layer-freq", "0"], "--moe-layer-freq '0' must be an integer N >= 1 or a 0/1 pattern"),
-    (["--moe-layer-freq", "([1]*3+[0])"], "--moe-layer-freq '([1]*3+[0])' must be an integer N >= 1 or a 0/1 "
-                                          "pattern"),
+    (["--moe-layer-freq", "([1]*3+[0]*2)"], "--moe-layer-freq has 5 entries but --num-layers is 4"),
+    (["--moe-layer-freq", "([2]*3+[0])"], "--moe-layer-freq '([2]*3+[0])' must be an integer N >= 1 or a list of 0"),
+    (["--moe-layer-freq", "__import__('os')*4"], "--moe-layer-freq \"__import__('os')*4\" must be an integer N"),
     (["--moe-layer-freq", "[0,2,1,1]"], "--moe-layer-freq '[0,2,1,1]' must be an integer N >= 1 or a list of 0 and 1"),
     (["--moe-router-score-function", "tanh"], "argparse"),
 ])
@@ -175,6 +176,9 @@ def test_folded_layouts_resolve_with_their_expert_grid():
     ("'[0,1,1,1]'", [], (False, True, True, True)),
     (None, ["--moe-layer-freq", "0", "1", "0", "1"], (False, True, False, True)),
     (None, [], (True, True, True, True)),
+    ("'([0]*1+[1]*3)'", [], (False, True, True, True)),  # Megatron's expression form, read without eval
+    (None, ["--moe-layer-freq", "[0]*1+[1]*3"], (False, True, True, True)),
+    (None, ["--moe-layer-freq", "([0,1]*2)"], (False, True, False, True)),
 ])
 def test_moe_layer_freq_reads_megatrons_spellings(tmp_path, yaml_value, flags, pattern):
     preset = tmp_path / "moe.yaml"

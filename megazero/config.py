@@ -363,14 +363,13 @@ class Config:
                                    f"for --offload-optimizer {offload} yet: pass --offload-optimizer none.")
 
     def refuse_unbuilt_muon(self) -> None:
-        """--optimizer muon runs exactly at ZeRO 0-2 with every parallelism (data, tensor and sequence, pipeline,
+        """--optimizer muon runs exactly at ZeRO 0-3 with every parallelism (data, tensor and sequence, pipeline,
         context, expert); the features it is not built for yet are refused here, one line naming the flag, not run
         wrong."""
         if self.optimizer.optimizer != "muon":
             return
         p = self.parallel
         unbuilt = [  # (refused, the setting as given, what to pass instead)
-            (p.zero == 3, "--zero 3", "--zero 0, 1 or 2"),
             (p.offload_optimizer != "none", f"--offload-optimizer {p.offload_optimizer}", "--offload-optimizer none")]
         for refused, setting, instead in unbuilt:
             require(not refused, f"--optimizer muon is not built for {setting} yet (docs/optimizers.md#status); "

@@ -40,7 +40,7 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
 CHAINS: dict[str, tuple[str, bool, list[tuple[str, dict]]]] = {
     "dense": ("llama", False, [
         ("dp2.z1", dict(zero=1)), ("dp2.z1.same", dict(zero=1)), ("tp2.sp", dict(tp=2, sp=True)),
-        ("dp2.z2", dict(zero=2)), ("pp2", dict(pp=2)), ("dp2.z0", dict(zero=0)),
+        ("dp2.z2", dict(zero=2)), ("dp2.z3", dict(zero=3)), ("pp2", dict(pp=2)), ("dp2.z0", dict(zero=0)),
         ("cp2.z1", dict(context_parallel_size=2, zero=1)), ("dp2.z2.last", dict(zero=2))]),
     "moe": ("llama", True, [
         ("ep2.z1", dict(expert_model_parallel_size=2, zero=1)), ("ep1.dp2.z2", dict(zero=2)),

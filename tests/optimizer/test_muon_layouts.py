@@ -6,7 +6,8 @@ One spawned world of 4 ranks trains every layout in it (the pieces ``pretrain_gp
 the stages, ZeRO 1) and interleaved (2 chunks per rank, ZeRO 0); cp 2 x dp 2 with p2p (ZeRO 1) and a2a (ZeRO 2),
 cp 4 hybrid (a2a 2 x p2p 2); MoE llama (E 4, each routed expert's matrices separate Muon matrices) at ep 2 x dp 4
 (edp 2, ZeRO 2), tp 2 x ep 2 with sequence parallelism at etp 1 (a shared expert, ZeRO 1) and etp 2; pp 2 x ep 2
-(gpt2 MoE, tied embeddings, ZeRO 1).
+(gpt2 MoE, tied embeddings, ZeRO 1); ZeRO 3 at tp 2 x dp 2 with sequence parallelism (reshard after forward) and
+at dp 4 (--no-reshard-after-forward).
 Every rank's loss and grad norm of every iteration within 1e-5 relative of the same config in one process; the
 NS calls summed over the ranks exactly one per Muon matrix of the whole model per step; each rank's holders (the
 ranks its dense and its expert weights are owned over) dp x cp x tp and edp x etp of its stage; the bytes of
@@ -55,6 +56,8 @@ RUNS = [  # (key, config), each at WORLD ranks (dp fills what the named degrees 
     ("moe.llama.tp2.sp.ep2.etp1.shared.z1", moe(tp=2, ep=2, etp=1, zero=1, model=SHARED)),
     ("moe.llama.tp2.sp.ep2.etp2.z0", moe(tp=2, ep=2, zero=0)),
     ("moe.gpt2.pp2.ep2.tied.z1", moe("gpt2", pp=2, ep=2, zero=1)),
+    ("llama.tp2.sp.dp2.z3", dense(**degrees(tp=2, sp=True, zero=3))),  # ZeRO 3: params sharded like the grads
+    ("llama.dp4.z3.no_reshard", dense(reshard_after_forward=False, **degrees(zero=3))),
 ]
 
 

@@ -49,9 +49,9 @@ def _metadata_but_when_and_how(raw: bytes) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async")
-    sync = train_records(tmp / "sync.jsonl", [*TINY, *STEPS, "--save", str(tmp / "sync")], 2)
+    sync = train_records(tmp / "sync.jsonl", [*TINY, *STEPS, "--save", str(tmp / "sync")], 2, default_corpus=True)
     asynchronous = train_records(tmp / "async.jsonl", [*TINY, *STEPS, "--save", str(tmp / "async"),
-                                                       "--async-save"], 2)
+                                                       "--async-save"], 2, default_corpus=True)
     return tmp, sync, asynchronous
 
 
@@ -73,7 +73,8 @@ def test_async_files_equal_sync_files(runs):
 def test_resume_from_async_equals_resume_from_sync(runs):
     tmp, sync, _ = runs
     resumed = {name: train_records(tmp / f"resumed-{name}.jsonl",
-                                   [*TINY, "--train-iters", "4", "--load", str(tmp / name / "iter_0000002")], 2)
+                                   [*TINY, "--train-iters", "4", "--load", str(tmp / name / "iter_0000002")], 2,
+                                   default_corpus=True)
                for name in ("sync", "async")}
     assert _steps(resumed["async"]) == _steps(resumed["sync"]) == _steps(sync[2:])  # bitwise on CPU
 

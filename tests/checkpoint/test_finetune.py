@@ -38,7 +38,7 @@ ITERS, SAVED_AT = 6, 4
 def run(tmp, name: str, nproc: int, flags: list[str]) -> tuple[list[dict], list[dict], list]:
     """pretrain_gpt.py on ``nproc`` ranks (each must exit 0): its iteration records, evaluation records, outputs."""
     metrics = os.path.join(tmp, f"{name}.jsonl")
-    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", metrics], nproc)
+    results = launch("pretrain_gpt.py", [*SMALL, *flags, "--metrics-file", metrics], nproc, default_corpus=True)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"{name} rank {rank} failed:\n{r.stderr[-3000:]}"
     records = [json.loads(line) for line in open(metrics)]

@@ -22,6 +22,32 @@ from tests.helpers.forked_ranks import MODULE, run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# The flags that choose a run's data; a launch that gives none of them trains on the small corpus below.
+DATA_FLAGS = ("--data-path", "--tokenizer-model", "--tokenizer-type", "--load", "--finetune")
+TEST_VOCAB = 512
+
+
+def small_corpus_args() -> list[str]:
+    """``--data-path``/``--tokenizer-model`` of the default corpus's documents tokenized at vocabulary 512.
+
+    The default corpus's 8000-token head is ~60% of a tiny model's CPU step (bench/RESULTS_tests.md), so
+    launches whose subject is not the corpus train on this copy; built once per machine (cached and published
+    atomically beside the default one, so two pytest workers may both ask for it)."""
+    from megazero.data.corpus import default_corpus
+
+    paths = default_corpus(vocab_size=TEST_VOCAB, log=lambda _: None)
+    return ["--data-path", paths.data_prefix, "--tokenizer-model", paths.tokenizer_model]
+
+
+def with_test_corpus(script: str, args: list[str], default_corpus: bool) -> list[str]:
+    """``args`` for ``pretrain_gpt.py`` with the small corpus's flags first, unless the run chooses its data itself
+    (a flag of ``DATA_FLAGS``) or its subject is the default corpus (``default_corpus=True``)."""
+    if default_corpus or os.path.basename(script) != "pretrain_gpt.py":
+        return args
+    if any(a.split("=")[0] in DATA_FLAGS for a in args):
+        return args
+    return [*small_corpus_args(), *args]
+
 
 @dataclass
 class RankResult:
@@ -31,9 +57,11 @@ class RankResult:
 
 
 def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
-           env: dict[str, str] | None = None, fresh: bool = False) -> list[RankResult]:
+           env: dict[str, str] | None = None, fresh: bool = False, default_corpus: bool = False) -> list[RankResult]:
     """Each rank's exit code and output. ``fresh=True`` (a real interpreter per rank) is for the files
-    ``tests/test_repo_rules.py`` lists: those whose subject is the process itself."""
+    ``tests/test_repo_rules.py`` lists: those whose subject is the process itself. ``pretrain_gpt.py`` runs that
+    name no data train on the small-vocabulary test corpus unless ``default_corpus`` (``with_test_corpus``)."""
+    args = with_test_corpus(script, args, default_corpus)
     port = str(free_port())
     rank_envs = [{**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
@@ -82,17 +110,19 @@ def run_python(argv: list[str], *, cwd: str = ROOT, env: dict[str, str] | None =
     return subprocess.CompletedProcess([sys.executable, *argv], code, out, err)
 
 
-def metrics_records(metrics, args: list[str], nproc: int, timeout: float = 300) -> list[dict]:
+def metrics_records(metrics, args: list[str], nproc: int, timeout: float = 300,
+                    default_corpus: bool = False) -> list[dict]:
     """Run pretrain_gpt.py on ``nproc`` ranks writing ``metrics`` (a path); every rank must exit 0.
     Returns every record of the metrics file, start-up events included."""
     import json
 
-    results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc, timeout=timeout)
+    results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc, timeout=timeout,
+                     default_corpus=default_corpus)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"{metrics} rank {rank} failed:\n{r.stderr[-3000:]}"
     return [json.loads(line) for line in open(metrics).read().splitlines()]
 
 
-def train_records(metrics, args: list[str], nproc: int) -> list[dict]:
+def train_records(metrics, args: list[str], nproc: int, default_corpus: bool = False) -> list[dict]:
     """As ``metrics_records``, the per-iteration records only (start-up events left out)."""
-    return [r for r in metrics_records(metrics, args, nproc) if "event" not in r]
+    return [r for r in metrics_records(metrics, args, nproc, default_corpus=default_corpus) if "event" not in r]

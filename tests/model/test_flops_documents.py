@@ -93,8 +93,8 @@ def _step_flops(record: dict) -> float:
 
 
 def test_pretrain_reports_the_masked_flops(tmp_path) -> None:
-    full = train_records(tmp_path / "full.jsonl", RUN, 1)
-    masked = train_records(tmp_path / "masked.jsonl", [*RUN, "--reset-attention-mask"], 1)
+    full = train_records(tmp_path / "full.jsonl", RUN, 1, default_corpus=True)
+    masked = train_records(tmp_path / "masked.jsonl", [*RUN, "--reset-attention-mask"], 1, default_corpus=True)
     shares, model = _step_shares(RUN)
     assert min(shares) < 0.9, f"the default corpus's samples must pack several documents: {shares}"
     tokens = 4 * 128

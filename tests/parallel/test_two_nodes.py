@@ -128,7 +128,8 @@ LAYOUTS = [
 
 def test_two_nodes_train_as_one_process(nodes, tmp_path):
     serial_metrics = tmp_path / "serial.jsonl"
-    for rank, r in enumerate(launch("pretrain_gpt.py", [*SMALL, "--metrics-file", str(serial_metrics)], 1)):
+    for rank, r in enumerate(launch("pretrain_gpt.py", [*SMALL, "--metrics-file", str(serial_metrics)], 1,
+                                           default_corpus=True)):
         assert r.returncode == 0, f"serial rank {rank}:\n{r.stderr[-3000:]}"
     serial = _losses(serial_metrics)
     for index, (name, flags, nodes_line) in enumerate(LAYOUTS):

@@ -72,7 +72,8 @@ def solo(tmp_path_factory) -> dict:
     _kill_holding([save, os.path.join(offload, "rank0")])
     stale = [os.path.exists(os.path.join(d, LOCK)) for d in (save, os.path.join(offload, "rank0"))]
     [result] = launch("pretrain_gpt.py", [*SMALL, "--offload-optimizer", "disk", "--offload-path", offload,
-                                          "--save", save, "--metrics-file", metrics], nproc=1, timeout=GUARD)
+                                          "--save", save, "--metrics-file", metrics], nproc=1, timeout=GUARD,
+                      default_corpus=True)
     return {"result": result, "stale": stale, "save": save, "offload": offload, "metrics": metrics}
 
 
@@ -120,8 +121,8 @@ def test_a_second_job_on_a_held_folder_stops_on_every_rank(tmp_path, solo):
             assert job_a.poll() is None and time.time() < deadline, job_a.communicate()[1][-2000:]
             time.sleep(0.05)
         on_offload = launch("pretrain_gpt.py", [*SMALL, "--offload-optimizer", "disk", "--offload-path", offload],
-                            nproc=2, timeout=GUARD)
-        on_save = launch("pretrain_gpt.py", [*SMALL, "--save", save], nproc=2, timeout=GUARD)
+                            nproc=2, timeout=GUARD, default_corpus=True)
+        on_save = launch("pretrain_gpt.py", [*SMALL, "--save", save], nproc=2, timeout=GUARD, default_corpus=True)
         written = _read_fifo_until_exit(metrics, job_a)
         out, err = job_a.communicate(timeout=GUARD)
     finally:
@@ -148,7 +149,8 @@ def test_startup_failure_after_the_optimizer_is_built_leaves_no_offload_files(tm
         fh.truncate(os.path.getsize(shard) // 2)
     offload = str(tmp_path / "offload")
     [result] = launch("pretrain_gpt.py", [*SMALL, "--train-iters", "8", "--load", ckpt, "--offload-optimizer",
-                                          "disk", "--offload-path", offload], nproc=1, timeout=GUARD)
+                                          "disk", "--offload-path", offload], nproc=1, timeout=GUARD,
+                      default_corpus=True)
     assert result.returncode != 0 and os.path.basename(shard) in result.stderr, result.stderr[-2000:]
     assert glob.glob(os.path.join(offload, "rank*", "*")) == []
     assert glob.glob(os.path.join(offload, "rank*", ".*")) == []

@@ -47,12 +47,12 @@ def _args_a(tmp) -> list[str]:
 def runs(tmp_path_factory):
     """Run a, then run b resuming a's checkpoint (each rank must exit 0)."""
     tmp = tmp_path_factory.mktemp("messages")
-    a = launch("pretrain_gpt.py", _args_a(tmp), 2, timeout=GUARD)
+    a = launch("pretrain_gpt.py", _args_a(tmp), 2, timeout=GUARD, default_corpus=True)
     for rank, r in enumerate(a):
         assert r.returncode == 0, f"run a rank {rank}:\n{r.stderr[-3000:]}"
     b = launch("pretrain_gpt.py", [*B_ARGS, "--load", str(tmp / "a" / "ckpt"), "--save", str(tmp / "b" / "ckpt"),
                                    "--metrics-file", str(tmp / "b" / "metrics.jsonl"),
-                                   "--tensorboard-dir", str(tmp / "b" / "tb")], 1, timeout=GUARD)
+                                   "--tensorboard-dir", str(tmp / "b" / "tb")], 1, timeout=GUARD, default_corpus=True)
     assert b[0].returncode == 0, b[0].stderr[-3000:]
     return tmp, a, b[0]
 

@@ -10,6 +10,7 @@ tests whose subject is the process itself (signals, restarts, process groups).
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -27,6 +28,7 @@ DATA_FLAGS = ("--data-path", "--tokenizer-model", "--tokenizer-type", "--load", 
 TEST_VOCAB = 512
 
 
+@functools.cache
 def small_corpus_args() -> list[str]:
     """``--data-path``/``--tokenizer-model`` of the default corpus's documents tokenized at vocabulary 512.
 
@@ -39,7 +41,7 @@ def small_corpus_args() -> list[str]:
     return ["--data-path", paths.data_prefix, "--tokenizer-model", paths.tokenizer_model]
 
 
-def with_test_corpus(script: str, args: list[str], default_corpus: bool) -> list[str]:
+def with_small_corpus(script: str, args: list[str], default_corpus: bool) -> list[str]:
     """``args`` for ``pretrain_gpt.py`` with the small corpus's flags first, unless the run chooses its data itself
     (a flag of ``DATA_FLAGS``) or its subject is the default corpus (``default_corpus=True``)."""
     if default_corpus or os.path.basename(script) != "pretrain_gpt.py":
@@ -60,8 +62,8 @@ def launch(script: str, args: list[str], nproc: int, timeout: float = 300,
            env: dict[str, str] | None = None, fresh: bool = False, default_corpus: bool = False) -> list[RankResult]:
     """Each rank's exit code and output. ``fresh=True`` (a real interpreter per rank) is for the files
     ``tests/test_repo_rules.py`` lists: those whose subject is the process itself. ``pretrain_gpt.py`` runs that
-    name no data train on the small-vocabulary test corpus unless ``default_corpus`` (``with_test_corpus``)."""
-    args = with_test_corpus(script, args, default_corpus)
+    name no data train on the small-vocabulary corpus unless ``default_corpus`` (``with_small_corpus``)."""
+    args = with_small_corpus(script, args, default_corpus)
     port = str(free_port())
     rank_envs = [{**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_fields import check_fields, opt, require, when
+from .config_fields import Needs, check_fields, opt, require, when
 from .moe_config import MoEFields
 
 
@@ -73,12 +73,23 @@ class ModelConfig(MoEFields):
                                    "all heads (HF qk_rope_head_dim).", at_least=2,
                                    applies=when("multi_latent_attention", True))
     v_head_dim: int = opt(128, "MLA: the value head width.", at_least=1, applies=when("multi_latent_attention", True))
+    mla_latent_norm_epsilon: float | None = opt(None, "MLA: epsilon of the q and kv latents' RMSNorms; None = "
+                                                "--norm-epsilon (transformers' DeepseekV3 uses 1e-6 whatever "
+                                                "rms_norm_eps says).", above=0,
+                                                applies=when("multi_latent_attention", True))
     qk_layernorm: bool = opt(False, "Per-head RMSNorm of queries and keys after the QKV projection, before RoPE "
                              "(llama family; Qwen3's q_norm/k_norm).")
     untie_embeddings_and_output_weights: bool | None = opt(
         None, "Separate output head; None = tied for gpt2, untied for llama.")
     init_method_std: float = opt(0.02, "Std of the normal initialiser; output projections use std/sqrt(2*layers).",
                                  above=0)
+    mtp_num_layers: int | None = opt(None, "Multi-token prediction depth D (DeepSeek-V3): D extra modules after the "
+                                     "last layer, module k predicting token t+1+k from the previous hidden state and "
+                                     "the embedding of token t+k; None or 0 = off (docs/models.md#multi-token-"
+                                     "prediction).", at_least=0)
+    mtp_loss_scaling_factor: float = opt(0.1, "Weight of the MTP loss: the mean over the D depths of each depth's "
+                                         "token-mean loss, times this, is added to the LM loss.", at_least=0,
+                                         applies=Needs("--mtp-num-layers D >= 1", ("mtp_num_layers",), bool))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -101,6 +112,19 @@ class ModelConfig(MoEFields):
         self._check_rope_scaling()
         self._check_mla()
         self._check_moe(self.num_layers)
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        """MTP modules are RMSNorm + RoPE blocks fed by the word embedding alone (each block of the last layer's kind,
+        dense or MoE), and each depth shifts by one more token: the family and the sequence must allow that."""
+        depth = self.mtp_depth
+        if not depth:
+            return
+        require(self.arch == "llama", f"--mtp-num-layers {depth} needs --arch llama (its modules take no learned "
+                                      f"positions and normalise with RMSNorm); pass --arch llama.")
+        require(self.seq_length > depth, f"--mtp-num-layers {depth} shifts each sample by up to {depth} tokens, so "
+                                         f"--seq-length ({self.seq_length}) leaves depth {depth} no target; pass a "
+                                         f"--seq-length above {depth} or fewer --mtp-num-layers.")
 
     def _check_mla(self) -> None:
         """MLA replaces the head layout: the flags of the plain one cannot apply to it."""
@@ -144,6 +168,11 @@ class ModelConfig(MoEFields):
         require(self.rope_scaling_original_max_position_embeddings >= 1,
                  f"--rope-scaling-original-max-position-embeddings must be >= 1, got "
                  f"{self.rope_scaling_original_max_position_embeddings}.")
+
+    @property
+    def mtp_depth(self) -> int:
+        """D, the multi-token prediction modules (0 = off)."""
+        return self.mtp_num_layers or 0
 
     @property
     def query_groups(self) -> int:

@@ -164,8 +164,9 @@ class MoEFields:
         return tuple(entry == "1" for entry in entries)
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        """Whether global layer ``layer_id`` (0-based) has routed experts: the one way code asks."""
-        return self.moe_layer_pattern(self.num_layers)[layer_id]
+        """Whether global layer ``layer_id`` (0-based) has routed experts: the one way code asks. Ids past the
+        last layer are MTP blocks (``model/mtp.py``), which take the last layer's kind."""
+        return self.moe_layer_pattern(self.num_layers)[min(layer_id, self.num_layers - 1)]
 
     @property
     def moe_ffn_size(self) -> int:

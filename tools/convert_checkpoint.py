@@ -9,7 +9,8 @@ max_position_embeddings), model.safetensors in --dtype (sharded above --max-shar
 the run's tokenizer: an HF tokenizer.json as it is, or a fast tokenizer that encodes exactly as
 its sentencepiece model; GPT2LMHeadModel, LlamaForCausalLM or (llama with --qk-layernorm)
 Qwen3ForCausalLM.from_pretrained loads it, and with --num-experts MixtralForCausalLM (or, with
---qk-layernorm, Qwen3MoeForCausalLM). An export replaces an earlier one in the folder whole
+--qk-layernorm, Qwen3MoeForCausalLM); with --multi-latent-attention DeepseekV3ForCausalLM (its MTP layers
+kept, FP8 hub weights dequantised on the way in). An export replaces an earlier one in the folder whole
 (either layout), and a crash midway leaves it unloadable, never holding the old weights. A
 megazero checkpoint made from HF has no optimizer state and holds a copy of the HF folder's tokenizer
 (``tokenizer/``, found wherever the folder moves): `pretrain_gpt.py --load DIR --data-path P` continues

@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import Config, ConfigError, ModelConfig
@@ -27,9 +28,11 @@ from ..run_plan import RunPlan, layout_record
 from ..tensor_parallel.layers import spec_of
 from . import hf_folder, storage
 from .hf import from_hf, to_hf
+from .hf_deepseek import dequantize_state, hub_rope_layout
 from .hf_fields import hf_config, model_config_from_hf
 from .hf_tokenizer_export import write_tokenizer
 from .load import ShardReader
+from .placement import model_tensors
 from .recorded_data import copy_hf_tokenizer, recorded_tokenizer
 from .save import non_finite, write_tensors
 from .slices import Region, expert_region, relative, tp_region
@@ -74,7 +77,8 @@ def _stages_of(name: str, cfg: Config, pp: int, vp: int) -> list[int]:
         layer = int(name.split(".")[1])
         return [r for r in range(pp) if any(layer in chunk for chunk in ranges[r])]
     if name.startswith("embedding."):
-        tied_copy = name == "embedding.word.weight" and cfg.model.tied_embeddings and pp > 1
+        shared = cfg.model.tied_embeddings or cfg.model.mtp_depth > 0  # MTP's last stage embeds too
+        tied_copy = name == "embedding.word.weight" and shared and pp > 1
         return [0, pp - 1] if tied_copy else [0]
     return [pp - 1]  # final norm and output head
 
@@ -124,8 +128,10 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
     ``tokenizer_from``: an HF folder whose tokenizer is copied into the checkpoint (``recorded_data``).
     """
     saved_cfg = target_config(cfg, tp=tp, pp=pp, vp=vp, ep=ep, etp=etp)
-    with torch.device("meta"):
-        specs = {n: spec_of(p) for n, p in GPTModel(cfg.model, TPContext()).named_parameters()}
+    with torch.device("meta"):  # parameters and persistent buffers (the routers' expert_bias)
+        tensors = model_tensors([GPTModel(cfg.model, TPContext())])
+        specs = {n: spec_of(t) for n, t in tensors.items()}
+        buffers = {n for n, t in tensors.items() if not isinstance(t, torch.nn.Parameter)}
     if set(specs) != set(state):
         missing, extra = sorted(set(specs) - set(state)), sorted(set(state) - set(specs))
         raise ValueError(f"state does not fit a {cfg.model.arch} model: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -145,7 +151,7 @@ def write_checkpoint(root: str, cfg: Config, state: State, *, tp: int, pp: int, 
             entry = index.setdefault(name, {"shape": list(full.shape), "split_dim": specs[name].split_dim,
                                             "dtype": str(full.dtype).replace("torch.", ""),
                                             "padded_rows": specs[name].valid_rows is not None,
-                                            "expert": specs[name].expert, "buffer": False, "files": {}})
+                                            "expert": specs[name].expert, "buffer": name in buffers, "files": {}})
             for fname, region in _regions(name, list(full.shape), specs[name], pp_rank, layout).items():
                 files.setdefault(fname, {})[name] = full[relative(region, [(0, n) for n in full.shape])].contiguous()
                 entry["files"][fname] = region
@@ -193,7 +199,8 @@ def stored_dtype(state: State) -> torch.dtype:
 
 def _cast(hf_state: State, dtype: torch.dtype) -> State:
     """Every weight in ``dtype``; one that leaves its range (fp16 tops out at 65504) is refused."""
-    cast = {name: t.to(dtype) for name, t in hf_state.items()}
+    # DeepSeek-V3's score-correction bias stays fp32, as transformers keeps it (_keep_in_fp32_modules_strict)
+    cast = {name: t if name.endswith("e_score_correction_bias") else t.to(dtype) for name, t in hf_state.items()}
     bad = non_finite(cast)
     if bad:
         raise ValueError(f"--dtype {DTYPE_NAMES[dtype]}: {', '.join(bad[:3])} hold values outside its range; "
@@ -225,13 +232,19 @@ def _write_weights(out_dir: str, hf_state: State, max_shard_bytes: int) -> None:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=1)
 
 
+def _tensor_names(path: str) -> list[str]:
+    """The tensors a safetensors file holds, from its header (nothing loaded)."""
+    with safe_open(path, "pt") as fh:
+        return list(fh.keys())
+
+
 def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
     """An HF folder's model config and state dict (single or sharded safetensors)."""
     config_path = os.path.join(in_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"--input {in_dir!r} has no config.json; pass a HF transformers model folder.")
     with open(config_path) as fh:
-        cfg = model_config_from_hf(json.load(fh), source=config_path)
+        config = json.load(fh)
     index = os.path.join(in_dir, "model.safetensors.index.json")
     if os.path.isfile(index) and os.path.isfile(os.path.join(in_dir, "model.safetensors")):
         raise ValueError(f"--input {in_dir!r} holds both model.safetensors and model.safetensors.index.json "
@@ -242,12 +255,18 @@ def load_hf(in_dir: str) -> tuple[ModelConfig, State]:
             files = sorted(set(json.load(fh)["weight_map"].values()))
     else:
         files = ["model.safetensors"]
-    state: State = {}
-    for fname in files:
-        path = os.path.join(in_dir, fname)
+    paths = [os.path.join(in_dir, fname) for fname in files]
+    for fname, path in zip(files, paths):
         if not os.path.isfile(path):
             raise ValueError(f"--input {in_dir!r} lacks {fname}; only safetensors HF folders are supported.")
+    # the config is checked before any weight is read; the files' headers say which tensors (MTP layers) they hold
+    names = [name for path in paths for name in _tensor_names(path)]
+    cfg = model_config_from_hf(config, source=config_path, weights=names)
+    state: State = {}
+    for path in paths:
         state.update(load_file(path))
+    if cfg.multi_latent_attention:  # FP8 blocks dequantised, then the RoPE rows in the hub's interleaved order
+        state = hub_rope_layout(config, dequantize_state(state))
     if cfg.arch == "llama" and cfg.tied_embeddings:
         state.pop("lm_head.weight", None)
     return cfg, state

@@ -1,4 +1,4 @@
-"""Map a full megazero state dict to and from HF transformers (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE).
+"""Map a full megazero state dict to and from HF transformers (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3).
 
 Both directions work on *full* tensors under megazero's canonical names
 (``layers.3.attention.qkv.weight``), i.e. the TP=1, single-stage model; the
@@ -11,7 +11,8 @@ keeps separate q/k/v projections. RoPE needs no permutation: megazero rotates
 halves exactly as HF Llama does. Qwen3 is the llama family with per-head q/k
 RMSNorm (megazero's --qk-layernorm): a llama model with it exports as Qwen3.
 Vocabulary padding rows are dropped going to HF and restored as zeros coming back.
-Mixtral and Qwen3-MoE layers map their router and experts in ``hf_moe.py``.
+Mixtral and Qwen3-MoE layers map their router and experts in ``hf_moe.py``; a model with
+--multi-latent-attention is a DeepseekV3ForCausalLM (``hf_deepseek.py``: MLA, its MoE, MTP, FP8).
 
 Every HF tensor must be taken by some megazero tensor: one left over (an expert of a
 layer the config does not route, a stray head) fails naming it, so no weight is
@@ -22,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from .hf_deepseek import block_from_hf, block_to_hf, dequantize_state, mtp_from_hf, mtp_to_hf
+from .hf_deepseek_config import deepseek_config_fields
 from .hf_fields import hf_config, model_config_from_hf
 from .hf_moe import moe_config_fields, moe_layer_from_hf, moe_layer_to_hf
 
@@ -112,8 +115,8 @@ def _llama_layer_to_hf(src: State, i: int, cfg: ModelConfig) -> State:
 def to_hf(src: State, cfg: ModelConfig) -> State:
     """Full megazero state -> HF state dict (contiguous tensors, vocabulary padding dropped)."""
     if cfg.multi_latent_attention:
-        hf_config(cfg)  # raises: MLA has no HF mapping yet
-    if cfg.num_experts is not None:
+        deepseek_config_fields(cfg)  # raises naming what DeepseekV3ForCausalLM cannot compute, before any tensor
+    elif cfg.num_experts is not None:
         moe_config_fields(cfg)  # raises naming what HF's MoE classes cannot compute, before any tensor is read
     vocab = cfg.vocab_size
     out: State = {}
@@ -126,10 +129,15 @@ def to_hf(src: State, cfg: ModelConfig) -> State:
     else:
         out["model.embed_tokens.weight"] = src["embedding.word.weight"][:vocab]
         for i in range(cfg.num_layers):
-            out.update(_llama_layer_to_hf(src, i, cfg))
+            mla = cfg.multi_latent_attention
+            out.update(block_to_hf(src, f"layers.{i}.", f"model.layers.{i}.", cfg) if mla else
+                       _llama_layer_to_hf(src, i, cfg))
         out["model.norm.weight"] = src["final_norm.weight"]
     if not cfg.tied_embeddings:
         out["lm_head.weight"] = src["output.weight"][:vocab]
+    if cfg.multi_latent_attention:
+        out.update(mtp_to_hf(src, cfg, out["model.embed_tokens.weight"],
+                             out.get("lm_head.weight", out["model.embed_tokens.weight"])))
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
@@ -142,6 +150,8 @@ def from_hf(hf_state: State, cfg: ModelConfig, padded_vocab: int) -> State:
 
     Raises naming the first HF tensor no megazero tensor takes (a tied model's ``lm_head.weight`` is
     taken when it equals the embedding, as transformers' in-memory state dicts hold it)."""
+    if cfg.multi_latent_attention:
+        hf_state = dequantize_state(hf_state)  # FP8 hub weights with their block scales
     src, out = _Reads(hf_state), {}
     gpt2 = cfg.arch == "gpt2"
     emb = src["transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"]
@@ -155,6 +165,8 @@ def from_hf(hf_state: State, cfg: ModelConfig, padded_vocab: int) -> State:
         out["final_norm.weight"] = src["model.norm.weight"]
     if not cfg.tied_embeddings:
         out["output.weight"] = _pad_rows(src["lm_head.weight"], padded_vocab)
+    if cfg.multi_latent_attention:
+        out.update(mtp_from_hf(src, cfg, emb, emb if cfg.tied_embeddings else src["lm_head.weight"]))
     tied_copy = cfg.tied_embeddings and torch.equal(hf_state.get("lm_head.weight", emb), emb)
     unread = [key for key in src.unread() if not (tied_copy and key == "lm_head.weight")]
     if unread:
@@ -184,6 +196,8 @@ def _layer_from_hf(src: _Reads, i: int, cfg: ModelConfig) -> State:
             p + "mlp.fc2.weight": src[o + "mlp.c_proj.weight"].t(), p + "mlp.fc2.bias": src[o + "mlp.c_proj.bias"],
         }
     o = f"model.layers.{i}."
+    if cfg.multi_latent_attention:
+        return block_from_hf(src, p, o, cfg, cfg.is_moe_layer(i))
     a = o + "self_attn."
     norms = {ours: src[theirs] for ours, theirs in _head_norm_names(i).items()} if cfg.qk_layernorm else {}
     if cfg.is_moe_layer(i):

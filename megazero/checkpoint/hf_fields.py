@@ -1,4 +1,4 @@
-"""HF transformers configs <-> megazero's ModelConfig (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE).
+"""HF transformers configs <-> megazero's ModelConfig (GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3).
 
 An HF config field the converter cannot express is refused rather than dropped: a silently dropped
 field (a bias, a RoPE scaling, another activation, a router's noise) gives a model that loads and
@@ -9,15 +9,18 @@ megazero setting the HF class cannot compute is refused the same way.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
 from ..config import ModelConfig
+from . import hf_deepseek_config as deepseek
 from .hf_moe import MOE_ARCHITECTURES, MOE_HARMLESS, MOE_MAPPED, moe_config_fields, moe_kind, moe_settings_from_hf
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 **MOE_ARCHITECTURES}
+                 **MOE_ARCHITECTURES, deepseek.KIND: deepseek.ARCHITECTURE}
+# model_type names of configs that are DeepseekV3's (Kimi K2 ships DeepseekV3ForCausalLM under its own name)
+_ALIASES = {"kimi_k2": deepseek.KIND}
 # The transformers config class of each llama-family model_type, and the fields only it has.
 _CONFIG_CLASSES = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
                    "qwen3_moe": "Qwen3MoeConfig"}
@@ -29,7 +32,9 @@ _OWN_FIELDS: dict[str, dict[str, Any]] = {
 
 def hf_kind(cfg: ModelConfig) -> str:
     """The HF model_type that computes what ``cfg`` does: Llama has no q/k norms, Qwen3 always has them; with
-    --num-experts, Mixtral and Qwen3-MoE likewise."""
+    --num-experts, Mixtral and Qwen3-MoE likewise; --multi-latent-attention is DeepSeek-V3's."""
+    if cfg.multi_latent_attention:
+        return deepseek.KIND
     if cfg.num_experts is not None and cfg.arch == "llama":
         return moe_kind(cfg)
     if cfg.arch == "gpt2":
@@ -46,15 +51,14 @@ def hf_config(cfg: ModelConfig, special_ids: dict[str, int | None] | None = None
     ``architectures`` and ``dtype`` (the weights' dtype) are written as ``save_pretrained`` of a model
     writes them: ``AutoModelForCausalLM`` picks the class from the one, and loads in the other.
     """
-    if cfg.multi_latent_attention:
-        raise ValueError("--multi-latent-attention cannot be converted to HF yet (issue 43: DeepseekV3ForCausalLM); "
-                         "keep the megazero checkpoint.")
     import transformers
 
     ids = {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None, **(special_ids or {})}
     common: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied_embeddings, initializer_range=cfg.init_method_std,
         architectures=[ARCHITECTURES[hf_kind(cfg)]], dtype=str(dtype).removeprefix("torch."), **ids)
+    if cfg.multi_latent_attention:
+        return transformers.DeepseekV3Config(**common, **deepseek.deepseek_config_fields(cfg))
     if cfg.arch == "gpt2":
         if cfg.num_experts is not None:
             moe_config_fields(cfg)  # raises: HF's MoE classes have SwiGLU experts
@@ -114,6 +118,7 @@ REQUIRED: dict[str, dict[str, tuple]] = {
     "mixtral": {"hidden_act": ("silu", "swish"), "sliding_window": ()},
 }
 REQUIRED["qwen3_moe"] = REQUIRED["qwen3"]
+REQUIRED[deepseek.KIND] = deepseek.REQUIRED
 # Fields read into ModelConfig (checked by the readers below).
 MAPPED = {
     "gpt2": {"model_type", "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
@@ -129,6 +134,7 @@ MAPPED["qwen3"] = MAPPED["llama"] | {"sliding_window", "max_window_layers", "lay
 # The MoE fields (hf_moe.py), output_router_logits and router_jitter_noise checked there with their reasons.
 MAPPED["mixtral"] = MAPPED["llama"] | MOE_MAPPED["mixtral"] | {"output_router_logits", "router_jitter_noise"}
 MAPPED["qwen3_moe"] = MAPPED["qwen3"] | MOE_MAPPED["qwen3_moe"] | {"output_router_logits"}
+MAPPED[deepseek.KIND] = set(deepseek.MAPPED)
 # head_dim when config.json leaves it out: transformers' Qwen3Config defaults to 128, Llama, Mixtral and
 # Qwen3-MoE to hidden / heads. One other than hidden / heads becomes --kv-channels.
 DEFAULT_HEAD_DIM = {"qwen3": 128}
@@ -184,15 +190,19 @@ def _rope_from_hf(config: dict[str, Any], problems: list[str], default_theta: fl
     return out
 
 
-def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json") -> ModelConfig:
-    """ModelConfig of an HF GPT-2, Llama, Qwen3, Mixtral or Qwen3-MoE config dict; raises naming every field it
-    cannot express."""
-    kind = config.get("model_type")
+def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json",
+                         weights: Iterable[str] | None = None) -> ModelConfig:
+    """ModelConfig of an HF GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 config dict; raises naming every
+    field it cannot express. ``weights``: the checkpoint's tensor names, when known (DeepSeek-V3's MTP layers are
+    converted when the weights hold them)."""
+    kind = _ALIASES.get(config.get("model_type"), config.get("model_type"))
     if kind not in ARCHITECTURES:
         raise ValueError(f"{source}: model_type {kind!r} is not supported; convert a {', '.join(ARCHITECTURES)} "
                          "model.")
     problems = _unmapped(config, kind)
-    if kind == "gpt2":
+    if kind == deepseek.KIND:
+        settings = deepseek.deepseek_settings(config, problems, weights)
+    elif kind == "gpt2":
         settings = dict(arch="gpt2", num_layers=config["n_layer"], hidden_size=config["n_embd"],
                         num_attention_heads=config["n_head"], ffn_hidden_size=config.get("n_inner"),
                         seq_length=config["n_positions"], max_position_embeddings=config["n_positions"],

@@ -44,6 +44,7 @@ kernels run once per document: the math kernel's matrices are b n sum_d L_d^2 4 
 and the flash kernel's calls write into one attention output, kept once.
 Selective recompute keeps only the core's inputs (qkv output, rotated q, k)
 and its output. Full recompute keeps only ``s b h e / r`` per block.
+With --multi-latent-attention the qkv, RoPE, core and head-norm terms are MLA's (``mla_activations.py``).
 
 Per stage: the first adds token ids (s b 8; at tp = cp = 1 a view of the [b, s + 1]
 micro-batch, b 8 more; + s b for the TP>1 mask) and an embedding-dropout mask; the last
@@ -87,6 +88,7 @@ from dataclasses import dataclass
 
 from ..config import ModelConfig
 from .documents import a2a_shared_tokens, square_sum
+from .mla_activations import core_width, mla_layer_terms
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ def _attention_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]
     if a.recompute == "selective":
         return {"qkv_out": qkv_out, "rope": rope, "attn_out": out}
     if a.cp > 1:
-        return _cp_core_bytes(cfg, a)
+        return cp_core_bytes(cfg, a)
     if a.attention_kernel(cfg) == "flash":
         # With GQA or normed q the kernel's output is laid out so the out-projection copies it (measured);
         # per-document calls write into one output (doc_blocks.document_attention).
@@ -190,10 +192,11 @@ def kv_heads_per_rank(cfg: ModelConfig, a: ActivationSpec) -> int:
     return g if g % u == 0 else math.lcm(g, u)
 
 
-def _cp_core_bytes(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
-    """What the CP attention core keeps for backward (see the module docstring)."""
+def cp_core_bytes(cfg: ModelConfig, a: ActivationSpec, width: int | None = None) -> dict[str, int]:
+    """What the CP attention core keeps for backward (see the module docstring); ``width``: the heads' width
+    when not ``cfg.head_dim`` (MLA's padded W, ``mla_activations.py``)."""
     s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
-    n, d = cfg.num_attention_heads, cfg.head_dim
+    n, d = cfg.num_attention_heads, width or cfg.head_dim
     out = s * b * n * d * e // t
     tables = 2 * s * d * 4 if cfg.arch == "llama" else 0  # RoPE cos/sin at this rank's positions
     # ring: contiguous copies of this rank's q, k, v; all-to-all: q, k, v gathered to n/U heads of U x s tokens
@@ -212,7 +215,7 @@ def cp_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
     if a.cp == 1:
         return 0
     s, b, t, e = a.tokens, a.micro_batch_size, a.tp, a.dtype_bytes
-    n, d = cfg.num_attention_heads, cfg.head_dim
+    n, d = cfg.num_attention_heads, core_width(cfg) if cfg.multi_latent_attention else cfg.head_dim
     gathered = s * b * (n // t + 2 * kv_heads_per_rank(cfg, a)) * d * e  # dq, dk, dv of the gathered heads
     total = gathered + 2 * s * b * n * d * e // t if a.cp_comm_type != "p2p" else 0
     if a.cp_comm_type != "a2a":
@@ -229,8 +232,11 @@ def layer_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
     # The qkv and MLP-in layers keep their (normed) input; llama's gate and up share one. Under SP
     # they keep only the local sequence shard and re-gather it in backward.
     terms = {"norms": 2 * _norm_bytes(cfg, a), "linear_inputs": 2 * s * b * h * e // a.shard}
-    terms.update(_attention_core_bytes(cfg, a))
-    terms.update(_head_norm_terms(cfg, a, terms))
+    if cfg.multi_latent_attention:  # its own attention terms (mla_activations.py); no per-head q/k norms
+        terms.update(mla_layer_terms(cfg, a, cp_core_bytes(cfg, a, core_width(cfg)) if a.cp > 1 else None))
+    else:
+        terms.update(_attention_core_bytes(cfg, a))
+        terms.update(_head_norm_terms(cfg, a, terms))
     terms["mlp"] = (4 if cfg.arch == "llama" else 2) * s * b * f * e // t
     if a.training and cfg.hidden_dropout > 0:
         terms["dropout_masks"] = 2 * s * b * h * a.mask_bytes() // a.shard

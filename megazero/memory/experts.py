@@ -20,9 +20,9 @@ from ..config import ModelConfig
 
 
 def moe_layer_count(cfg: ModelConfig, layers: range) -> int:
-    """How many of ``layers`` (global indices) are MoE layers."""
+    """How many of ``layers`` (global indices; past the last layer, MTP blocks: ``cfg.is_moe_layer``) are MoE."""
     pattern = cfg.moe_layer_pattern(cfg.num_layers)
-    return sum(pattern[i] for i in layers)
+    return sum(pattern[min(i, cfg.num_layers - 1)] for i in layers)
 
 
 def mlp_split_params(cfg: ModelConfig, width: int) -> int:
@@ -68,15 +68,16 @@ def expert_numels(cfg: ModelConfig, ep: int, etp: int) -> list[int]:
 
 
 def expert_params(cfg: ModelConfig) -> int:
-    """Routed-expert parameters of the whole model (every MoE layer, all E experts)."""
+    """Routed-expert parameters of the whole model (every MoE layer, the MTP blocks' too, all E experts)."""
     if cfg.num_experts is None:
         return 0
-    return moe_layer_count(cfg, range(cfg.num_layers)) * cfg.num_experts * one_expert_params(cfg)
+    return moe_layer_count(cfg, range(cfg.num_layers + cfg.mtp_depth)) * cfg.num_experts * one_expert_params(cfg)
 
 
 def inactive_params(cfg: ModelConfig) -> int:
-    """Expert parameters a token does not run through: E - k experts of every MoE layer (0 for a dense model)."""
+    """Expert parameters a token does not run through: E - k experts of every MoE layer, MTP blocks included (0
+    for a dense model)."""
     if cfg.num_experts is None:
         return 0
     idle = cfg.num_experts - cfg.moe_router_topk
-    return moe_layer_count(cfg, range(cfg.num_layers)) * idle * one_expert_params(cfg)
+    return moe_layer_count(cfg, range(cfg.num_layers + cfg.mtp_depth)) * idle * one_expert_params(cfg)

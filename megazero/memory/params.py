@@ -120,11 +120,19 @@ def head_params(cfg: ModelConfig, tp: int) -> ParamCount:
     return ParamCount(output, _norm(cfg))
 
 
+def mtp_dense_params(cfg: ModelConfig) -> int:
+    """The MTP modules' dense parameters (``model/mtp.py``): per depth enorm, hnorm, the 2h -> h eh_proj, one
+    block (global layer id num_layers + k: the last layer's kind) and its final norm; embedding and head shared.
+    Counted in the model's total only: the stage plans do not hold the MTP modules yet."""
+    h = cfg.hidden_size
+    return sum(block_params(cfg, cfg.num_layers + k).full + 2 * h * h + 3 * h for k in range(cfg.mtp_depth))
+
+
 def num_parameters(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of the full model, as ``megazero.model.gpt.count_parameters`` counts them."""
+    """Parameters of the full model, as ``megazero.model.gpt.count_parameters`` counts them (MTP included)."""
     total = sum((block_params(cfg, i) for i in range(cfg.num_layers)), ParamCount())
     total = total + embedding_params(cfg, tp, cfg.arch == "gpt2") + head_params(cfg, tp)
-    return total.full + expert_params(cfg)
+    return total.full + mtp_dense_params(cfg) + expert_params(cfg)
 
 
 def block_param_numels(cfg: ModelConfig, tp: int, layer_id: int = 0) -> list[int]:

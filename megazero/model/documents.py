@@ -41,6 +41,7 @@ class Documents:
     positions: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     loss_scale: float = 1.0
+    mtp_scales: tuple[float, ...] = ()  # per MTP depth, as loss_scale (``model/mtp.py``); () = the micro-batch's
 
     def local(self, split, cp_rank: int) -> "Documents":
         """This CP rank's positions and loss mask (``split``: the ``CPSplit``)."""

@@ -4,7 +4,8 @@ A stage owns a range of global layer indices; blocks are stored under those
 indices (``layers.5.mlp.fc1.weight``), so a parameter's name, and therefore
 its seeded initial value, does not depend on the pipeline split. The first
 stage embeds tokens; the last stage holds the final norm, the output head
-and the loss. With tied embeddings (gpt2) a last stage that is not also the
+and the loss. With tied embeddings (gpt2), or multi-token prediction (its
+modules embed the shifted tokens, ``mtp.py``), a last stage that is not also the
 first keeps its own copy of the word embedding under the same name, kept
 equal to the first stage's by summing their gradients over the embedding group.
 """
@@ -22,6 +23,7 @@ from ..tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbeddi
 from ..tensor_parallel.random import EMBEDDING
 from .documents import Documents
 from .kv_cache import KVCache
+from .mtp import MTPStack
 from .transformer import TPContext, TransformerBlock, hidden_dropout, make_norm
 
 
@@ -82,7 +84,7 @@ class GPTModel(nn.Module):
         self.layer_ids = layer_ids
         tied = cfg.tied_embeddings
         self.embedding = None
-        if pre_process or (post_process and tied):
+        if pre_process or (post_process and (tied or cfg.mtp_depth > 0)):  # MTP embeds shifted tokens
             self.embedding = Embedding(cfg, ctx, self.padded_vocab, with_positions=pre_process and cfg.arch == "gpt2")
             if not pre_process:
                 spec_of(self.embedding.word.weight).tied_role = "embedding_copy"  # counted once, on the first stage
@@ -93,6 +95,7 @@ class GPTModel(nn.Module):
                 self.output = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab, tp_group=ctx.group,
                                                    bias=False, init_std=cfg.init_method_std)
                 spec_of(self.output.weight).valid_rows = cfg.vocab_size
+        self.mtp = MTPStack(cfg, ctx) if post_process and cfg.mtp_depth > 0 else None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -112,7 +115,7 @@ class GPTModel(nn.Module):
         restart and attention stays in each document where they say so; with a loss mask the loss is
         ``loss_scale`` times the sum of the unmasked token losses.
         """
-        cp = self.ctx.cp
+        cp, whole_labels, whole_documents = self.ctx.cp, labels, documents
         if cp.active and self.pre_process:
             inputs = cp.split.take(inputs, 1, cp.rank)
         if cp.active and labels is not None:
@@ -124,10 +127,14 @@ class GPTModel(nn.Module):
             x = layer(x) if documents is None else layer(x, documents=documents)
         if not self.post_process:
             return x
+        h = x
         x = self.final_norm(x)
         if labels is None:
             return self.logits_local(x)
-        return self._loss(x, labels, documents)
+        loss = self._loss(x, labels, documents)
+        if self.mtp is not None and torch.is_grad_enabled():  # training: the MTP losses ride on the LM loss
+            loss = self.mtp(self, h, loss, whole_labels, whole_documents)
+        return loss
 
     def _loss(self, x: torch.Tensor, labels: torch.Tensor, documents: Documents | None) -> torch.Tensor:
         """The mean token loss, or with a loss mask ``loss_scale`` x the sum of the token losses it keeps; fused
@@ -143,6 +150,15 @@ class GPTModel(nn.Module):
         if mask_sb is None:
             return losses_sb.mean()
         return (losses_sb * mask_sb.to(losses_sb.dtype)).sum() * scale
+
+    def token_loss_sum(self, x: torch.Tensor, labels_sb: torch.Tensor, weights_sb: torch.Tensor) -> torch.Tensor:
+        """Sum of ``weights_sb`` x the token losses of ``x``'s head logits (fused under --cross-entropy-chunk-size)."""
+        if self.ce_chunk_size > 0:
+            return fused_linear_cross_entropy(x, self.output_weight, labels_sb, self.ctx.group,
+                                              vocab_size=self.cfg.vocab_size, chunk_size=self.ce_chunk_size,
+                                              sequence_parallel=self.ctx.sequence_parallel, token_weights=weights_sb)
+        losses_sb = vocab_parallel_cross_entropy(self.logits_local(x), labels_sb, self.ctx.group, self.cfg.vocab_size)
+        return (losses_sb * weights_sb.to(losses_sb.dtype)).sum()
 
     @torch.no_grad()
     def decode(self, ids_bs: torch.Tensor, cache: KVCache) -> torch.Tensor:

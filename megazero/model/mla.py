@@ -35,7 +35,6 @@ per-head keys and values are never built. Not built yet (refused where a run is 
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import torch
@@ -44,8 +43,8 @@ from einops import rearrange
 from torch import nn
 
 from ..config import ModelConfig
-from ..context_parallel.attention import cp_attention
-from ..context_parallel.doc_blocks import Bounds, document_attention
+from ..context_parallel.doc_blocks import Bounds
+from ..context_parallel.logit_max import LogitMax
 from ..parallel.state import group_size
 from ..tensor_parallel.comm import all_gather_first_dim, all_reduce_in_place, reduce_scatter_first_dim
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
@@ -53,6 +52,7 @@ from .documents import Documents
 from .kv_cache import KVCache, LatentKVCache, cached_attention
 from .recompute import checkpointed_core
 from .rope import apply_rotary, rotary_cos_sin, softmax_scale_correction
+from .sdpa import core_attention
 
 
 class ReplicatedLinear(nn.Module):
@@ -69,7 +69,8 @@ class ReplicatedLinear(nn.Module):
 
 def latent_norm(width: int, cfg: ModelConfig, sequence_parallel: bool) -> nn.RMSNorm:
     """RMSNorm of a latent (replicated; SP-partial gradients under sequence parallelism, as ``make_norm``)."""
-    norm = nn.RMSNorm(width, eps=cfg.norm_epsilon)
+    eps = cfg.norm_epsilon if cfg.mla_latent_norm_epsilon is None else cfg.mla_latent_norm_epsilon
+    norm = nn.RMSNorm(width, eps=eps)
     set_spec(norm.weight, sequence_parallel=sequence_parallel, init_value=1.0)
     return norm
 
@@ -126,6 +127,7 @@ class MLA(nn.Module):
         # q x this = the softmax scale 1/sqrt(dq + dr) x YaRN's correction, under the core's 1/sqrt(width)
         self.query_scale = softmax_scale_correction(cfg) * (self.width / (self.dq + self.dr)) ** 0.5
         self.recompute_core = False  # selective recompute (``recompute.apply_recompute``): checkpoint the core
+        self.logit_max: LogitMax | None = None  # --qk-clip-threshold: the core adds its per-head max logit here
 
     @property
     def core_eager(self) -> bool:
@@ -152,18 +154,7 @@ class MLA(nn.Module):
             return checkpointed_core(self, self.core_attention, q_bnsd, k_bnsd, v_bnsd, bounds)
         return self.core_attention(q_bnsd, k_bnsd, v_bnsd, bounds)
 
-    def core_attention(self, q_bnsd: torch.Tensor, k_bnsd: torch.Tensor, v_bnsd: torch.Tensor,
-                       bounds: Bounds | None = None) -> torch.Tensor:
-        """softmax(QK^T / sqrt(width)) V, causal (within each document when ``bounds`` is given); dropout from
-        the layer's per-TP-rank stream (heads are split), as ``transformer.Attention.core_attention``."""
-        if self.ctx.cp.active:  # the ring, all-to-all or both, as plain attention's core (no dropout: refused)
-            return cp_attention(q_bnsd, k_bnsd, v_bnsd, self.ctx.cp, bounds)
-        dropout = self.cfg.attention_dropout if self.training else 0.0
-        rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
-        with rng:
-            if bounds is not None:
-                return document_attention(q_bnsd, k_bnsd, v_bnsd, bounds, dropout_p=dropout)
-            return F.scaled_dot_product_attention(q_bnsd, k_bnsd, v_bnsd, dropout_p=dropout, is_causal=True)
+    core_attention = core_attention  # ``sdpa.core_attention``: the one core, shared with Attention
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:

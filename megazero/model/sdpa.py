@@ -1,4 +1,8 @@
-"""Which kernel ``scaled_dot_product_attention`` runs for this model, said once at start-up.
+"""The attention core both attention modules run, and which SDPA kernel it lands on, said once at start-up.
+
+``core_attention`` is the one core of ``transformer.Attention`` and ``mla.MLA`` (it lives here, below both,
+because transformer.py imports mla.py): softmax(QK^T / sqrt(d)) V, causal, per document with ``bounds``,
+around the CP ring or all-to-all under --cp, and the per-head max logit into the layer's QK-clip sink.
 
 The attention core calls SDPA and lets PyTorch pick the kernel: flash attention on CPU (fp32, bf16,
 fp64, GQA included) and flash / cuDNN / memory-efficient on CUDA, falling back to the math kernel
@@ -9,11 +13,39 @@ dispatcher with tensors shaped like one micro-batch's.
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from ..config import ModelConfig
+from ..context_parallel.attention import cp_attention
+from ..context_parallel.doc_blocks import Bounds, document_attention
+from ..context_parallel.logit_max import whole_sequence_logit_max
 from ..dtypes import DTYPE_NAMES
+
+
+def core_attention(layer: Any, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
+                   bounds: Bounds | None = None) -> torch.Tensor:
+    """softmax(QK^T / sqrt(d)) V of ``layer`` (an ``Attention`` or ``MLA``: its cfg, ctx, layer_id, training
+    and logit_max), causal (within each document when ``bounds`` is given); GQA when k has fewer heads than q.
+    Dropout draws from the layer's per-TP-rank stream (heads are split). QK-clip: in training the attended
+    pairs' max logit per head goes into ``layer.logit_max``."""
+    sink = layer.logit_max if layer.training else None
+    if layer.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
+        return cp_attention(q_bnsd, k_bgsd, v_bgsd, layer.ctx.cp, bounds, sink)
+    if sink is not None:
+        whole_sequence_logit_max(sink, q_bnsd, k_bgsd, bounds)
+    dropout = layer.cfg.attention_dropout if layer.training else 0.0
+    # p = 0 draws nothing: skip swapping the stream's RNG state in and out (4 state copies per layer)
+    rng = layer.ctx.fork_rng(layer.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
+    with rng:
+        if bounds is not None:  # one fused causal call per document: nothing across documents is computed
+            return document_attention(q_bnsd, k_bgsd, v_bgsd, bounds, dropout_p=dropout)
+        return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
+                                              enable_gqa=q_bnsd.shape[1] != k_bgsd.shape[1])
 
 
 def sdpa_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int,

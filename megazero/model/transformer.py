@@ -22,9 +22,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..context_parallel import CPContext
-from ..context_parallel.attention import cp_attention
-from ..context_parallel.doc_blocks import Bounds, document_attention
-from ..context_parallel.logit_max import LogitMax, whole_sequence_logit_max
+from ..context_parallel.doc_blocks import Bounds
+from ..context_parallel.logit_max import LogitMax
 from ..moe.context import ExpertContext
 from ..moe.layer import MoELayer
 from ..parallel.state import group_size
@@ -35,6 +34,7 @@ from .kv_cache import KVCache, cached_attention
 from .mla import MLA
 from .recompute import checkpointed_block, checkpointed_core
 from .rope import apply_rotary, rotary_cos_sin, rotary_inv_freq  # noqa: F401 (rotary_inv_freq: its old home)
+from .sdpa import core_attention
 
 
 @dataclass
@@ -137,23 +137,7 @@ class Attention(nn.Module):
             return checkpointed_core(self, self.core_attention, q_bnsd, k_bgsd, v_bgsd, bounds)
         return self.core_attention(q_bnsd, k_bgsd, v_bgsd, bounds)
 
-    def core_attention(self, q_bnsd: torch.Tensor, k_bgsd: torch.Tensor, v_bgsd: torch.Tensor,
-                       bounds: Bounds | None = None) -> torch.Tensor:
-        """softmax(QK^T / sqrt(d)) V, causal (within each document when ``bounds`` is given); dropout draws
-        from the layer's per-TP-rank stream (heads are split)."""
-        sink = self.logit_max if self.training else None  # QK-clip: the attended pairs' max logit per head
-        if self.ctx.cp.active:  # K/V around the CP ring, or all-to-all to head shards (no dropout: refused)
-            return cp_attention(q_bnsd, k_bgsd, v_bgsd, self.ctx.cp, bounds, sink)
-        if sink is not None:
-            whole_sequence_logit_max(sink, q_bnsd, k_bgsd, bounds)
-        dropout = self.cfg.attention_dropout if self.training else 0.0
-        # p = 0 draws nothing: skip swapping the stream's RNG state in and out (4 state copies per layer)
-        rng = self.ctx.fork_rng(self.layer_id, tensor_parallel=True) if dropout > 0 else contextlib.nullcontext()
-        with rng:
-            if bounds is not None:  # one fused causal call per document: nothing across documents is computed
-                return document_attention(q_bnsd, k_bgsd, v_bgsd, bounds, dropout_p=dropout)
-            return F.scaled_dot_product_attention(q_bnsd, k_bgsd, v_bgsd, dropout_p=dropout, is_causal=True,
-                                                  enable_gqa=self.heads_per_group > 1)
+    core_attention = core_attention  # ``sdpa.core_attention``: the one core, shared with MLA
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:

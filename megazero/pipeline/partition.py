@@ -62,7 +62,7 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
     The plan gives the padded vocabulary and sequence parallelism; ``rng`` the dropout streams
     (None: fresh ones from ``dropout_rng``, for a model nobody checkpoints).
 
-    With tied embeddings split over stages, both copies of the word embedding are
+    With tied embeddings (or MTP, whose last stage embeds too) split over stages, both copies of the word embedding are
     marked so the optimizer sums their gradients over the embedding group: the
     last stage's copy has ``ParamSpec.tied_role`` "embedding_copy" (GPTModel marks
     it), the first stage's original "embedding".
@@ -81,7 +81,7 @@ def build_chunks(cfg: Config, plan: RunPlan, pstate: ParallelState,
                              pre_process=pstate.is_first_stage and c == 0,
                              post_process=pstate.is_last_stage and c == vp - 1,
                              ce_chunk_size=cfg.training.cross_entropy_chunk_size)
-        if model.pre_process and pstate.pp > 1 and cfg.model.tied_embeddings:
+        if model.pre_process and pstate.pp > 1 and (cfg.model.tied_embeddings or cfg.model.mtp_depth > 0):
             spec_of(model.embedding.word.weight).tied_role = "embedding"
         materialize(model, pstate.device, plan.compute_dtype)
         initialize_parameters(model, cfg.training.seed, pstate.tp_group)

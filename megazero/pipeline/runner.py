@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..model.documents import Documents, PackingRule
+from ..model.mtp import mtp_depth_of, mtp_token_counts
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 from .p2p import StageLink
@@ -58,15 +59,22 @@ class ScheduleStats:
 
 
 def step_documents(packing: PackingRule, micro_batches: list[torch.Tensor],
-                   pstate: ParallelState) -> list[Documents]:
-    """Each micro-batch's documents; with a loss mask, scaled so the step's loss is the global token mean."""
+                   pstate: ParallelState, mtp_depth: int = 0) -> list[Documents]:
+    """Each micro-batch's documents; with a loss mask, scaled so the step's loss is the global token mean, and
+    with ``mtp_depth`` MTP depths each depth's scale from its own global count (``model/mtp.py``)."""
     documents = [packing.documents(tokens[:, :-1]) for tokens in micro_batches]
-    if not packing.eod_mask_loss:
+    if not packing.eod_mask_loss and not mtp_depth:
         return documents
-    count = torch.tensor([sum(d.token_count() for d in documents)], dtype=torch.float64, device=pstate.device)
+    counts = [sum(d.token_count() for d in documents)] if packing.eod_mask_loss else []
+    if mtp_depth:
+        batch, seq = micro_batches[0].shape[0], micro_batches[0].shape[1] - 1
+        per_mb = [mtp_token_counts(d, batch, seq, mtp_depth, pstate.device) for d in documents]
+        counts += [sum(column) for column in zip(*per_mb)]
+    count = torch.tensor(counts, dtype=torch.float64, device=pstate.device)
     C.all_reduce(count, pstate.dp_group)  # CP ranks hold the same whole samples: counted once, over DP only
-    scale = pstate.dp_cp * len(micro_batches) / max(1.0, float(count.item()))
-    return [dataclasses.replace(d, loss_scale=scale) for d in documents]
+    scales = [pstate.dp_cp * len(micro_batches) / max(1.0, c) for c in count.tolist()]
+    loss_scale = scales.pop(0) if packing.eod_mask_loss else 1.0
+    return [dataclasses.replace(d, loss_scale=loss_scale, mtp_scales=tuple(scales)) for d in documents]
 
 
 def reduce_loss(losses: list[torch.Tensor], pstate: ParallelState) -> float:
@@ -181,7 +189,8 @@ class Schedule:
             f"the {self.name} schedule runs {self.chunks_per_rank} chunk(s) per rank, got {len(chunks)}")
         assert micro_batches[0].shape[0] == self.stage_shape[1], (
             f"micro-batches of {micro_batches[0].shape[0]} sequences, but the stages agreed on {self.stage_shape}")
-        documents = None if self.packing is None else step_documents(self.packing, micro_batches, pstate)
+        documents = (None if self.packing is None
+                     else step_documents(self.packing, micro_batches, pstate, mtp_depth_of(chunks)))
         self.documents = documents
         run = StepRunner(chunks, micro_batches, pstate, no_sync, self.timeline,
                          StageLink(pstate, self.stage_shape, self.dtype), documents)

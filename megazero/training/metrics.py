@@ -57,6 +57,11 @@ class MetricsLog:
         self.sinks = []
 
 
+def _is_mtp(key: str) -> bool:
+    """``mtp_<k>_loss``: depth k's multi-token prediction loss (``training/mtp_step.py``)."""
+    return key.startswith("mtp_") and key.endswith("_loss")
+
+
 def format_iteration(r: dict[str, Any]) -> str:
     """Megatron-style line: `iteration 10/100 | consumed samples ... | lm loss ... | ...`."""
     parts = [
@@ -66,6 +71,7 @@ def format_iteration(r: dict[str, Any]) -> str:
         f"elapsed time per iteration (ms) {r['step_time_ms']:.1f}",
         f"learning rate {r['lr']:.3E}",
         f"lm loss {r['loss']:.6E}",
+        *[f"mtp {k} loss {r[f'mtp_{k}_loss']:.6E}" for k in range(1, 1 + sum(1 for key in r if _is_mtp(key)))],
         f"grad norm {r['grad_norm']:.3f}",
     ]
     if "optimizer" in r:

@@ -53,7 +53,8 @@ class MoEStep:
         assert cfg.num_experts is not None
         self.cfg, self.pstate, self.routers, self.experts = cfg, pstate, routers, cfg.num_experts
         self.names = BalanceLosses.from_config(cfg).value_names
-        self.moe_layers = [layer for layer in range(cfg.num_layers) if cfg.is_moe_layer(layer)]
+        self.rows = cfg.num_layers + cfg.mtp_depth  # MTP blocks (model/mtp.py) are layers L .. L + D - 1
+        self.moe_layers = [layer for layer in range(self.rows) if cfg.is_moe_layer(layer)]
         assert len({r.layer_id for r in routers}) == len(routers), "one router per layer"
         self.rate = cfg.moe_router_bias_update_rate if cfg.moe_router_enable_expert_bias else None
         self.table: torch.Tensor | None = None  # [L, E + N] fp64, this step's; stage-reduced when ``reduced``
@@ -75,7 +76,7 @@ class MoEStep:
         fp64 holds counts exactly up to 2^53 and carries them in the same tensor as the losses.
         """
         experts = self.experts
-        table = torch.zeros(self.cfg.num_layers, experts + len(self.names), dtype=torch.float64,
+        table = torch.zeros(self.rows, experts + len(self.names), dtype=torch.float64,
                             device=self.pstate.device)
         for router in self.routers:
             table[router.layer_id, :experts] = router.take_step_tokens_per_expert().to(table)

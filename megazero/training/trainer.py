@@ -28,6 +28,7 @@ from .evaluate import evaluate
 from .flops import achieved_tflops, device_peak_tflops
 from .metrics import MetricsLog, OptimizerFields, format_eval, format_iteration, peak_memory_bytes
 from .moe_step import moe_step
+from .mtp_step import mtp_step
 from .parallelize import TrainingModel
 from .progress import Progress, summary
 from .stop_signal import StopSignal
@@ -71,6 +72,7 @@ class Trainer:
         self.ring = ring if ring[1] > 1 else None  # under a ring, this rank counts its own queries' pairs
         self.step_record = StepRecorder(pstate.rank)  # only with $MEGAZERO_RECORD_STEPS (bitwise refactor checks)
         self.moe = moe_step(cfg.model, pstate, self.chunks)  # expert bias updates, balance records; null when dense
+        self.mtp = mtp_step(cfg.model, pstate, self.chunks)  # each MTP depth's loss; null without --mtp-num-layers
         self.qk_clip = qk_clip_step(cfg, pstate, self.chunks, model.optimizer)  # MuonClip; null without the flag
         self.optimizer_fields = OptimizerFields(cfg.optimizer.optimizer)  # its name; Muon's NS time per step
         pstate.ledger.enabled = True  # bytes sent per collective kind and group, taken per step
@@ -87,6 +89,7 @@ class Trainer:
         lr = self.lr(self.iteration + 1)
         result = self.optimizer.step(lr)
         self.moe.after_step()  # the step's token counts, reduced: the aux-loss-free bias update
+        self.mtp.after_step()  # the step's MTP losses, per depth
         return reduce_loss(losses, self.pstate), result, lr
 
     def _count(self, loss: float, result: Any) -> bool:
@@ -141,6 +144,7 @@ class Trainer:
         run_flops, model_flops = self._step_flops()
         tflops = achieved_tflops(run_flops, tokens_per_step, elapsed, self.pstate.layout.world_size)
         moe = self.moe.fields()  # collectives on every rank; their bytes count in this step's comm_bytes
+        moe.update(self.mtp.fields())  # the same: each MTP depth's global mean loss
         record = {
             "iteration": self.iteration, "train_iters": t.train_iters,
             "consumed_samples": self.batches.consumed_samples, "loss": loss, "lr": lr,

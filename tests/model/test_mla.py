@@ -275,9 +275,12 @@ def test_recompute_selective_and_full_give_the_same_gradients():
         assert loss == results[0][0] and all(torch.equal(g, r) for g, r in zip(grads, results[0][1]))
 
 
-def test_what_is_not_built_is_refused():
+def test_an_export_transformers_cannot_compute_is_refused():
+    """HF conversion (DeepseekV3ForCausalLM) is tested in tests/checkpoint/test_hf_deepseek_v3.py; at the default
+    --norm-epsilon 1e-5 (the latent norms' too, with no --mla-latent-norm-epsilon) transformers' latent norms (eps
+    1e-6) would compute something else: refused."""
     cfg = tiny_mla().model
-    with pytest.raises(ValueError, match="--multi-latent-attention cannot be converted to HF yet"):
+    with pytest.raises(ValueError, match=r"--mla-latent-norm-epsilon 1e-05 \(transformers normalises the MLA"):
         to_hf({}, cfg)
 
 

@@ -1,5 +1,5 @@
-"""The DeepSeek-tiny model (MLA attention; dense, or MoE with DeepSeek routing) trains as one process does in
-every layout of issue 43's "Model parity" list, fp32, ITERS iterations.
+"""The DeepSeek-tiny model (MLA attention, one MTP depth; dense, or MoE with DeepSeek routing) trains as one
+process does in every layout of issue 43's "Model parity" list, fp32, ITERS iterations.
 
 Per-iteration loss and grad norm within 1e-5 relative of the one-process run of the same model (which keeps
 the global batch): pp 2 with 1F1B and interleaved; ep 2 and tp 2 x ep 2 (SP) on the MoE variant; dp 2 at ZeRO
@@ -18,7 +18,7 @@ same table passed at 20 when this file was written: 103 CPU-seconds against 35).
 
 LAYOUTS is the one table: ``EXTRA`` is merged into every layout's config (and the micro-batch and --compile
 runs'), and each MTP depth's logged loss (``mtp_{k}_loss``) is compared beside the loss and grad norm, so MTP in
-every layout is ``EXTRA = dict(mtp_num_layers=1)``.
+every layout is ``EXTRA = dict(mtp_num_layers=1)``, as set: DeepSeek-V3's one MTP depth.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ DEEPSEEK_MOE = dict(num_experts=4, moe_router_topk=2, moe_router_score_function=
                     moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=32,
                     moe_layer_freq=["[0,1]"])
 VARIANTS = {"dense": {}, "moe": DEEPSEEK_MOE}
-EXTRA: dict[str, Any] = {}  # flat settings every layout adds (MTP: dict(mtp_num_layers=1))
+EXTRA: dict[str, Any] = dict(mtp_num_layers=1)  # flat settings every layout adds: one MTP depth, as DeepSeek-V3
 NUM_MTP = EXTRA.get("mtp_num_layers") or 0  # each depth's loss is compared too
 
 # (key, world size, variant, layout in tests/helpers/tiny_config.py's short names + flat settings, rerun bitwise)

@@ -113,18 +113,20 @@ def run_python(argv: list[str], *, cwd: str = ROOT, env: dict[str, str] | None =
 
 
 def metrics_records(metrics, args: list[str], nproc: int, timeout: float = 300,
-                    default_corpus: bool = False) -> list[dict]:
+                    default_corpus: bool = False, fresh: bool = False) -> list[dict]:
     """Run pretrain_gpt.py on ``nproc`` ranks writing ``metrics`` (a path); every rank must exit 0.
-    Returns every record of the metrics file, start-up events included."""
+    Returns every record of the metrics file, start-up events included. ``fresh``: as for ``launch``."""
     import json
 
     results = launch("pretrain_gpt.py", [*args, "--metrics-file", str(metrics)], nproc, timeout=timeout,
-                     default_corpus=default_corpus)
+                     default_corpus=default_corpus, fresh=fresh)
     for rank, r in enumerate(results):
         assert r.returncode == 0, f"{metrics} rank {rank} failed:\n{r.stderr[-3000:]}"
     return [json.loads(line) for line in open(metrics).read().splitlines()]
 
 
-def train_records(metrics, args: list[str], nproc: int, default_corpus: bool = False) -> list[dict]:
+def train_records(metrics, args: list[str], nproc: int, default_corpus: bool = False,
+                  fresh: bool = False) -> list[dict]:
     """As ``metrics_records``, the per-iteration records only (start-up events left out)."""
-    return [r for r in metrics_records(metrics, args, nproc, default_corpus=default_corpus) if "event" not in r]
+    return [r for r in metrics_records(metrics, args, nproc, default_corpus=default_corpus, fresh=fresh)
+            if "event" not in r]

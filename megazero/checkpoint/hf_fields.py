@@ -195,7 +195,7 @@ def model_config_from_hf(config: dict[str, Any], source: str = "HF config.json",
     """ModelConfig of an HF GPT-2, Llama, Qwen3, Mixtral, Qwen3-MoE or DeepSeek-V3 config dict; raises naming every
     field it cannot express. ``weights``: the checkpoint's tensor names, when known (DeepSeek-V3's MTP layers are
     converted when the weights hold them)."""
-    kind = _ALIASES.get(config.get("model_type"), config.get("model_type"))
+    kind = _ALIASES.get(str(config.get("model_type")), config.get("model_type"))
     if kind not in ARCHITECTURES:
         raise ValueError(f"{source}: model_type {kind!r} is not supported; convert a {', '.join(ARCHITECTURES)} "
                          "model.")

@@ -29,6 +29,8 @@ schedule's 1/m and the fp16 loss scale reach it exactly as they reach the LM los
 """
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 
@@ -126,21 +128,21 @@ class MTPStack(nn.ModuleList):
         values, self.values = self.values, []
         return values
 
-    def depth_losses(self, model: nn.Module, h: torch.Tensor, labels_bs: torch.Tensor,
+    def depth_losses(self, model: Any, h: torch.Tensor, labels_bs: torch.Tensor,
                      documents: Documents | None) -> list[torch.Tensor]:
         """Each depth's loss (sum of counted token losses x its scale) on this rank; ``model``: the ``GPTModel``
         whose embedding and head they share; ``labels_bs`` and ``documents`` whole samples, ``h`` this rank's h^0."""
         cp, (batch, seq) = self.ctx.cp, labels_bs.shape
         local_docs = documents.local(cp.split, cp.rank) if cp.active and documents is not None else documents
         losses = []
-        for k, module in enumerate(self, start=1):
+        for k, module in enumerate(cast("list[MTPModule]", list(self)), start=1):
             mask = depth_mask(batch, seq, k, documents, labels_bs.device)
             emb_ids, targets = torch.roll(labels_bs, 1 - k, dims=1), torch.roll(labels_bs, -k, dims=1)
             if cp.active:
                 mask, emb_ids, targets = (cp.split.take(t, 1, cp.rank) for t in (mask, emb_ids, targets))
             emb = model.embedding.word(emb_ids)
             if self.ctx.sequence_parallel:
-                emb = scatter_to_sequence_parallel_region(emb, self.ctx.group)
+                emb = scatter_to_sequence_parallel_region(emb, self.ctx.group)  # type: ignore[arg-type]
             h = module(h, emb, local_docs)
             token_sum = model.token_loss_sum(module.final_norm(h), targets.t(), mask.t())
             losses.append(token_sum * self._scale(k, batch, seq, documents, mask))

@@ -32,7 +32,7 @@ class MTPStep:
 
     def __init__(self, depth: int, pstate: ParallelState, chunks: Sequence[nn.Module]) -> None:
         self.depth, self.pstate = depth, pstate
-        self.stacks = [chunk.mtp for chunk in chunks if getattr(chunk, "mtp", None) is not None]
+        self.stacks: list[Any] = [chunk.mtp for chunk in chunks if getattr(chunk, "mtp", None) is not None]
         self.values = torch.zeros(depth, dtype=torch.float64, device=pstate.device)
 
     def after_step(self) -> None:

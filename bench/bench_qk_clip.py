@@ -7,6 +7,7 @@ The clip's own time (the [layers, heads] reduction and the row scaling of the ma
 is timed around ``DistributedOptimizer.after_update``; the collection is the rest of the difference.
 
     .venv/bin/python -m bench.bench_qk_clip                  # gpt2 shape: 4 layers, 256 wide, 8 heads, S 512
+    .venv/bin/python -m bench.bench_qk_clip --mla            # the same width as a DeepSeek-style MLA llama
 """
 from __future__ import annotations
 
@@ -31,8 +32,11 @@ def build(args: argparse.Namespace, tau: float | None):
     from megazero.parallel.state import ParallelState
     from megazero.tensor_parallel.layers import initialize_parameters
 
-    cfg = Config(model=ModelConfig(arch="gpt2", num_layers=args.layers, hidden_size=args.hidden,
-                                   num_attention_heads=args.heads, seq_length=args.seq, vocab_size=1024),
+    d = args.hidden // args.heads  # --mla: q/k d + d/2 RoPE, v d, q LoRA hidden/2, latent hidden/4 (DeepSeek's ratios)
+    mla = dict(arch="llama", multi_latent_attention=True, q_lora_rank=args.hidden // 2, kv_lora_rank=args.hidden // 4,
+               qk_head_dim=d, qk_pos_emb_head_dim=d // 2, v_head_dim=d) if args.mla else dict(arch="gpt2")
+    cfg = Config(model=ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                                   seq_length=args.seq, vocab_size=1024, **mla),
                  optimizer=OptimizerConfig(optimizer="muon", lr=0.02, lr_decay_style="constant",
                                            qk_clip_threshold=tau),
                  training=TrainingConfig(micro_batch_size=args.batch, global_batch_size=args.batch, device="cpu"),
@@ -106,9 +110,11 @@ def table(args: argparse.Namespace, times: dict[str, list[float]]) -> str:
     base, with_clip, clip = (statistics.median(times[k]) for k in ("muon", "muon + qk-clip", "clip"))
     clipped = statistics.mean(times["clipped"])
     pairs = args.seq * (args.seq + 1) // 2
-    collect_flops = 2 * args.batch * args.heads * pairs * (args.hidden // args.heads) * args.layers
+    width = args.hidden // args.heads * (3 if args.mla else 2) // 2  # MLA's q.k width: d + d/2 RoPE
+    collect_flops = 2 * args.batch * args.heads * pairs * width * args.layers
+    shape = "MLA llama" if args.mla else "gpt2"
     lines = [results_header("bench.bench_qk_clip"), "",
-             f"gpt2 shape, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, S {args.seq}, batch "
+             f"{shape} shape, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, S {args.seq}, batch "
              f"{args.batch}, fp32, 1 thread, one process; tau 1e-3: {clipped:.1f} of {args.layers * args.heads} "
              f"heads clipped per step on average; median of {args.steps} steps", "",
              "| row | ms per step (median) | over Muon |", "|---|---|---|",
@@ -136,6 +142,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=7)
+    parser.add_argument("--mla", action="store_true", help="multi-head latent attention instead of gpt2's")
     add_out_flag(parser)
     args = parser.parse_args()
     emit(table(args, measure(args)), args.out)

@@ -345,32 +345,25 @@ class Config:
         self.refuse_unclippable()
 
     def refuse_unclippable(self) -> None:
-        """--qk-clip-threshold needs each head's max logit from the eager attention core, and weights whose scale
-        reaches the logits; one line naming the flag for the runs where either fails."""
+        """--qk-clip-threshold needs weights whose scale reaches the logits; one line naming the flag for the runs
+        where that fails. (It composes with --compile, --multi-latent-attention and --offload-optimizer:
+        ``tests/optimizer/test_qk_clip_*.py``.)"""
         if self.optimizer.qk_clip_threshold is None:
             return
-        require(not self.training.compile, "--qk-clip-threshold reads each head's max logit in the eager "
-                                           "attention core, which --compile traces; drop --compile or "
-                                           "--qk-clip-threshold.")
         require(not self.model.qk_layernorm, "--qk-clip-threshold scales the query and key weights, which "
                                              "--qk-layernorm's per-head RMSNorm divides out again (the logits "
                                              "would not change); drop one of the two.")
-        require(not getattr(self.model, "multi_latent_attention", False),
-                "--qk-clip-threshold is built for megazero's grouped-qkv attention; --multi-latent-attention's "
-                "shared latent and RoPE key need their own rule (not built yet): drop one of the two.")
-        offload = self.parallel.offload_optimizer
-        require(offload == "none", f"--qk-clip-threshold scales the master weights on the device; it is not built "
-                                   f"for --offload-optimizer {offload} yet: pass --offload-optimizer none.")
+        require(not self.model.mtp_depth, "--qk-clip-threshold is built for the main model's layers; the "
+                                          "--mtp-num-layers blocks would need their own rows (not built yet): drop "
+                                          "one of the two.")
 
     def refuse_unbuilt_muon(self) -> None:
         """--optimizer muon runs exactly at ZeRO 0-3 with every parallelism (data, tensor and sequence, pipeline,
-        context, expert); the features it is not built for yet are refused here, one line naming the flag, not run
-        wrong."""
+        context, expert) and with its state offloaded to host memory or disk; a feature it is not built for would be
+        refused here, one line naming the flag, not run wrong (none is now; the layout search calls this)."""
         if self.optimizer.optimizer != "muon":
             return
-        p = self.parallel
-        unbuilt = [  # (refused, the setting as given, what to pass instead)
-            (p.offload_optimizer != "none", f"--offload-optimizer {p.offload_optimizer}", "--offload-optimizer none")]
+        unbuilt: list[tuple[bool, str, str]] = []  # (refused, the setting as given, what to pass instead)
         for refused, setting, instead in unbuilt:
             require(not refused, f"--optimizer muon is not built for {setting} yet (docs/optimizers.md#status); "
                                  f"pass {instead}, or --optimizer adamw.")

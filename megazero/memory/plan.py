@@ -28,7 +28,8 @@ from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
 from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
                      num_parameters)
 from .moe_plan import ExpertStage, add_experts, expert_stage, expert_words, moe_lines
-from .muon_plan import muon_lines, ns_workspace_bytes, optimizer_state_bytes
+from .muon_plan import muon_lines, ns_workspace_bytes, optimizer_state_bytes, with_one_moment
+from .muon_traffic import muon_step_bytes
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -141,6 +142,7 @@ class StagePlan:
     params_disk_bytes: float = 0.0
     experts: ExpertStage = field(default_factory=ExpertStage)  # MoE: the experts' share, included above (moe_plan)
     ns_workspace_bytes: float = 0.0  # Muon: NS of the stage's largest matrix, in the step, after the backward
+    muon_step_bytes: int = 0  # Muon: bytes its busiest rank's gathers and scatters send per step (ledger: send.muon)
 
     @property
     def host_bytes(self) -> float:
@@ -206,6 +208,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     shards = _state_shards(spec, blocks, chunks) + moe.shards
     off = offload_bytes(shards, w, where.optimizer_state, where.parameters, where.offload_buffers,
                         where.offload_buffer_size)
+    layers = [first_layer + i for *_, first_layer in chunks for i in range(blocks)]  # this stage's blocks
+    state, off = with_one_moment(spec.cfg, run, layers, state, off)  # Muon: one moment for its matrices
     optimizer = 0.0 if where.optimizer_state.offloaded else state.optimizer  # on the device
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.cfg.training.recompute_num_layers)
     with_extras = -(-in_flight // run.virtual_stages)  # chunk-forwards of the chunk holding the embedding or head
@@ -214,7 +218,6 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
         extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
         activations += with_extras * extras
     # the logits (all of them, or one chunk with --cross-entropy-chunk-size) and their fp32 copy
-    layers = [first_layer + i for *_, first_layer in chunks for i in range(blocks)]  # this stage's blocks
     transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a) + moe.transient_bytes,
                     head_working_bytes(cfg, a) if last else 0)
     moved = state.optimizer - optimizer + off.params_device  # offload: state the device no longer holds
@@ -225,7 +228,8 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
                      params_peak_bytes=state.params_peak - off.params_device, shard_elements=sum(shards),
                      optimizer_host_bytes=off.optimizer_host, optimizer_disk_bytes=off.optimizer_disk,
                      params_host_bytes=off.params_host, params_disk_bytes=off.params_disk, experts=moe,
-                     ns_workspace_bytes=ns_workspace_bytes(spec.cfg, layers))
+                     ns_workspace_bytes=ns_workspace_bytes(spec.cfg, layers),
+                     muon_step_bytes=muon_step_bytes(spec.cfg, run, stage))
 
 
 def _model_state(spec: PlanSpec, params: int, blocks: int, chunks: list[tuple[bool, bool, int]],
@@ -298,7 +302,7 @@ def format_plan(plan: MemoryPlan) -> str:
              f"micro-batch {r.micro_batch_size} x {r.micro_batches}, schedule {s.schedule}"
              f"{f' vp={r.virtual_stages}' if r.virtual_stages > 1 else ''}, recompute {s.cfg.training.recompute}, "
              f"sp {s.sequence_parallel}",
-             *_offload_lines(plan), *muon_lines(s.cfg, plan.peak.ns_workspace_bytes),
+             *_offload_lines(plan), *muon_lines(s.cfg, plan.peak.ns_workspace_bytes, plan.stages),
              *document_lines(s.cfg, r.cp_split.ring), *moe_lines(s.cfg, r, plan.peak.experts),
              "per rank (GiB):",
              f"{'stage':>5} {'params':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'in-flight':>9} "
@@ -343,7 +347,7 @@ def format_rows(plans: list[MemoryPlan]) -> str:
                      + (f" {offload_label(plan.spec):>14} {st.host_bytes / GIB:7.2f} {st.disk_bytes / GIB:7.2f} "
                         f"{plan.offload_seconds():7.2f}" if offload else ""))
     first = plans[0].spec  # the assumptions (the MoE line: the first plan's peak stage)
-    lines += muon_lines(first.cfg, plans[0].peak.ns_workspace_bytes)
+    lines += muon_lines(first.cfg, plans[0].peak.ns_workspace_bytes, plans[0].stages)
     lines += document_lines(first.cfg, first.run.cp_split.ring) + moe_lines(first.cfg, first.run, plans[0].peak.experts)
     if offload:
         lines.append(f"* offload seconds per step, {describe()}")

@@ -20,6 +20,11 @@ bitwise the in-memory one on a CPU-only machine (where host = device):
                  part of one that does not fit a buffer (``pieces.py``: cut so the
                  update stays bitwise), so the host memory does not grow with buckets.
 
+With ``--optimizer muon`` a store keeps a second moment only for the AdamW-trained elements (``kept``: per
+bucket, its shard's AdamW ranges; ``pieces.kept_in``): the views' ``exp_avg_sq`` is then that compact tensor
+(the piece's AdamW elements back to back), and a disk piece is [master | exp_avg | its AdamW elements'
+exp_avg_sq]. Without ``kept`` every store is exactly AdamW's.
+
 On CUDA, ``HostTransfers`` moves the gradients and parameters between the device
 and the host on side streams so the copies overlap compute; on a CPU-only
 machine it is not built and the step reads the shards in place.
@@ -43,7 +48,7 @@ from ..data_parallel.host_transfers import disk_buffer_width, host_empty
 from ..data_parallel.rank_file import OffloadError, RankFile
 from ..run_plan import StatePlacement
 from .adam import ShardedAdamState
-from .pieces import Runs, piece_bounds
+from .pieces import Ranges, Runs, kept_in, piece_bounds
 
 Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (master, exp_avg, exp_avg_sq), each [shard_numel] fp32
 KINDS = 3  # tensors of state per bucket, in file order
@@ -74,8 +79,10 @@ class DeviceStore:
 
     placement = Placement.DEVICE
 
-    def __init__(self, shards: list[list[torch.Tensor]]) -> None:
-        self.states = [ShardedAdamState(s) for s in shards]
+    def __init__(self, shards: list[list[torch.Tensor]], kept: list[Ranges | None] | None = None) -> None:
+        kept = kept or [None] * sum(len(s) for s in shards)
+        at = [sum(len(s) for s in shards[:j]) for j in range(len(shards))]
+        self.states = [ShardedAdamState(s, kept[a:a + len(s)]) for a, s in zip(at, shards)]
         self.separate_master = any(s.separate_master for s in self.states)
         self._views = [v for state in self.states for v in state.views]
 
@@ -103,19 +110,21 @@ class HostStore(DeviceStore):
 
     placement = Placement.HOST
 
-    def __init__(self, shards: list[list[torch.Tensor]]) -> None:
+    def __init__(self, shards: list[list[torch.Tensor]], kept: list[Ranges | None] | None = None) -> None:
         flat = [t for s in shards for t in s]
+        kept = kept or [None] * len(flat)
         total = sum(t.numel() for t in flat)
+        sq_numels = [kept_in(k, 0, t.numel()) for k, t in zip(kept, flat)]
         self.separate_master = True  # the parameter shard stays on the device; the master is a copy here
-        self.data = host_empty(KINDS * total)
+        self.data = host_empty(2 * total + sum(sq_numels))
         self.data.zero_()
-        master, self.exp_avg, self.exp_avg_sq = self.data.split(total)
-        self._views, offset = [], 0
-        for t in flat:
+        master, self.exp_avg, self.exp_avg_sq = self.data.split([total, total, sum(sq_numels)])
+        self._views, offset, sq = [], 0, 0
+        for t, n_sq in zip(flat, sq_numels):
             sl = slice(offset, offset + t.numel())
             master[sl].copy_(_read(t))  # fp32 masters start as the (compute-dtype) parameters upcast
-            self._views.append((master[sl], self.exp_avg[sl], self.exp_avg_sq[sl]))
-            offset += t.numel()
+            self._views.append((master[sl], self.exp_avg[sl], self.exp_avg_sq[sq:sq + n_sq]))
+            offset, sq = offset + t.numel(), sq + n_sq
 
     def tensors(self) -> list[torch.Tensor]:
         return []
@@ -132,17 +141,20 @@ class DiskStore:
     placement = Placement.DISK
 
     def __init__(self, shards: list[list[torch.Tensor]], folder: str, rank: int, buffers: int,
-                 buffer_size: int = DEFAULT_BUFFER_SIZE, runs: list[Runs] | None = None) -> None:
+                 buffer_size: int = DEFAULT_BUFFER_SIZE, runs: list[Runs] | None = None,
+                 kept: list[Ranges | None] | None = None) -> None:
         assert buffers >= 2, "one buffer is computed while the next is read ahead"
         self.folder, self.separate_master = folder, True
         self.numels = [t.numel() for s in shards for t in s]
         runs = runs or [None] * len(self.numels)
+        self.kept = kept or [None] * len(self.numels)
         # (bucket, lo, hi) in sweep order; a piece is one [master | exp_avg | exp_avg_sq] region of the file
         self.pieces = [(i, lo, hi) for i, n in enumerate(self.numels)
                        for lo, hi in piece_bounds(n, runs[i], buffer_size)]
+        self.sq = [kept_in(self.kept[i], lo, hi) for i, lo, hi in self.pieces]  # each piece's exp_avg_sq elements
         self.offsets = [0]
-        for _, lo, hi in self.pieces:
-            self.offsets.append(self.offsets[-1] + KINDS * (hi - lo) * 4)
+        for p in range(len(self.pieces)):
+            self.offsets.append(self.offsets[-1] + self._span(p) * 4)
         # shard elements per buffer, and K buffers unless one piece is all there is: what the planner
         # predicts from the shard sizes alone (memory/offload.py), whatever the cuts
         self.width = disk_buffer_width(self.numels, buffer_size)
@@ -175,12 +187,16 @@ class DiskStore:
             src = _read(t)
             for p in self.by_bucket[i]:
                 n = self._len(p)
-                buf[n:KINDS * n].zero_()
+                buf[n:self._span(p)].zero_()
                 buf[:n].copy_(src[self.pieces[p][1]:self.pieces[p][2]])
-                self._pwrite(p, [buf[:KINDS * n]])
+                self._pwrite(p, [buf[:self._span(p)]])
 
     def _len(self, p: int) -> int:
         return self.pieces[p][2] - self.pieces[p][1]
+
+    def _span(self, p: int) -> int:
+        """Piece ``p``'s state elements: master and exp_avg of each element, exp_avg_sq of the kept ones."""
+        return 2 * self._len(p) + self.sq[p]
 
     def _pwrite(self, p: int, spans: list[torch.Tensor]) -> None:
         """Write ``spans`` (fp32, back to back) to piece ``p``'s region of the file."""
@@ -196,7 +212,7 @@ class DiskStore:
 
     def _views(self, p: int, buf: torch.Tensor) -> Views:
         n = self._len(p)
-        return tuple(buf[k * n:(k + 1) * n] for k in range(KINDS))  # type: ignore[return-value]
+        return buf[:n], buf[n:2 * n], buf[2 * n:self._span(p)]
 
     def sweep(self, whole: bool = False) -> Iterator[tuple[int, int, Views]]:
         """Every piece's state in order, as ``(bucket, lo, views of shard [lo, lo + n))``; what the caller
@@ -220,7 +236,7 @@ class DiskStore:
 
         def read(p: int) -> None:
             buf = take()
-            reads.append((p, buf, self.io.submit(self._pread, p, [buf[:KINDS * self._len(p)]])))
+            reads.append((p, buf, self.io.submit(self._pread, p, [buf[:self._span(p)]])))
 
         try:
             if self.pieces:
@@ -231,7 +247,7 @@ class DiskStore:
                     read(p + 1)
                 self._finish(fut, "reading the optimizer state")
                 yield i, lo, self._views(p, buf)
-                span = [buf[:KINDS * self._len(p)]]
+                span = [buf[:self._span(p)]]
                 writes.append((self.io.submit(self._pwrite, p, span), buf, "writing the optimizer state"))
         finally:
             for fut, _, doing in list(writes) + [(f, None, "reading the optimizer state") for _, _, f in reads]:
@@ -242,14 +258,19 @@ class DiskStore:
         whose pieces are per parameter segment (a save copies every segment anyway)."""
         buf = torch.empty(KINDS * max(self.numels, default=0), dtype=torch.float32)
         for i, n in enumerate(self.numels):
-            views = tuple(buf[k * n:(k + 1) * n] for k in range(KINDS))
+            sq = kept_in(self.kept[i], 0, n)
+            views = (buf[:n], buf[n:2 * n], buf[2 * n:2 * n + sq])
             for p in self.by_bucket[i]:
-                _, lo, hi = self.pieces[p]
-                self._blocking(self._pread, p, [v[lo:hi] for v in views], "reading the optimizer state")
-            yield i, 0, views  # type: ignore[misc]
+                self._blocking(self._pread, p, self._spans(p, views), "reading the optimizer state")
+            yield i, 0, views
             for p in self.by_bucket[i]:
-                _, lo, hi = self.pieces[p]
-                self._blocking(self._pwrite, p, [v[lo:hi] for v in views], "writing the optimizer state")
+                self._blocking(self._pwrite, p, self._spans(p, views), "writing the optimizer state")
+
+    def _spans(self, p: int, views: Views) -> list[torch.Tensor]:
+        """Piece ``p``'s regions inside a whole bucket's ``views`` (master, exp_avg, compact exp_avg_sq)."""
+        i, lo, hi = self.pieces[p]
+        sq = kept_in(self.kept[i], 0, lo)
+        return [views[0][lo:hi], views[1][lo:hi], views[2][sq:sq + self.sq[p]]]
 
     def _blocking(self, fn, p: int, spans: list[torch.Tensor], doing: str) -> None:
         try:
@@ -280,14 +301,15 @@ class DiskStore:
 
 
 def build_store(shards: list[list[torch.Tensor]], placement: StatePlacement, rank: int,
-                runs: list[Runs] | None = None):
+                runs: list[Runs] | None = None, kept: list[Ranges | None] | None = None):
     """The store for ``placement.optimizer_state``; ``shards``: per buffer, each bucket's parameter shard;
-    ``runs``: each bucket's weight-decay runs in the same order (where the disk store may cut a shard)."""
+    ``runs``: each bucket's weight-decay runs in the same order (where the disk store may cut a shard);
+    ``kept`` (Muon): each bucket's ranges that keep a second moment (None: all, AdamW)."""
     where = placement.optimizer_state
     if where == Placement.HOST:
-        return HostStore(shards)
+        return HostStore(shards, kept)
     if where == Placement.DISK:
         assert placement.offload_path, "RunPlan.resolve requires --offload-path with disk"
         return DiskStore(shards, placement.offload_path, rank, placement.offload_buffers,
-                         placement.offload_buffer_size, runs)
-    return DeviceStore(shards)
+                         placement.offload_buffer_size, runs, kept)
+    return DeviceStore(shards, kept)

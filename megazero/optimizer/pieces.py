@@ -15,6 +15,7 @@ from bisect import bisect_right
 
 ALIGN = 64  # elements: a multiple of every fp32 vector width (4-16) and of the kernel's 16-element task unit
 Runs = tuple[list[tuple[int, int]], list[tuple[int, int]]]  # (decayed, undecayed) ranges of a shard
+Ranges = list[tuple[int, int]]  # sorted, disjoint [lo, hi) ranges of a shard
 
 
 def piece_bounds(numel: int, runs: Runs | None, limit: int) -> list[tuple[int, int]]:
@@ -38,4 +39,19 @@ def piece_bounds(numel: int, runs: Runs | None, limit: int) -> list[tuple[int, i
 def runs_in(runs: Runs, lo: int, hi: int) -> Runs:
     """``runs`` restricted to the piece [lo, hi), in the piece's coordinates."""
     return tuple([(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges if a < hi and b > lo]
+                 for ranges in runs)  # type: ignore[return-value]
+
+
+def kept_in(kept: Ranges | None, lo: int, hi: int) -> int:
+    """Elements of ``kept`` inside [lo, hi): the second-moment elements a (piece of a) shard stores. ``kept``: the
+    shard's ranges that keep a second moment (Muon: its AdamW-trained segments), None: every element (AdamW)."""
+    if kept is None:
+        return hi - lo
+    return sum(max(0, min(b, hi) - max(a, lo)) for a, b in kept)
+
+
+def compact_runs(runs: Runs, kept: Ranges, lo: int) -> Runs:
+    """Where the piece at ``lo``'s ``runs`` (piece coordinates, each inside one range of ``kept``) sit in the piece's
+    compact second moment: after the kept elements between the piece's start and the run's."""
+    return tuple([(c, c + b - a) for a, b in ranges for c in [kept_in(kept, lo, lo + a)]]
                  for ranges in runs)  # type: ignore[return-value]

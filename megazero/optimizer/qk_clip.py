@@ -1,9 +1,10 @@
 """MuonClip's QK-clip (Kimi K2): after a step, scale down the query and key weights of every head whose largest
 pre-softmax logit in the step exceeded ``tau`` (``--qk-clip-threshold``), so that it would have been ``tau``.
 
-**The maxima.** Each ``Attention`` gets a ``LogitMax`` sink (``context_parallel/logit_max.py``): its core
-adds, per head of this rank, the largest q·k/sqrt(d) over the pairs it attends (causal, within documents),
-in every training forward of the step. ``clip`` puts every rank's rows into one [layers, heads] matrix
+**The maxima.** Each ``Attention`` or ``MLA`` gets a ``LogitMax`` sink (``context_parallel/logit_max.py``): the
+one attention core (``model/sdpa.py``; traced into the compiled block under --compile) adds, per head of this
+rank, the largest q·k/sqrt(d) over the pairs it attends (causal, within documents), in every training forward
+of the step. ``clip`` puts every rank's rows into one [layers, heads] matrix
 (global layer index, global head = tp rank x heads per rank + local head; -inf elsewhere) and takes its
 max over the world group: that is the max over data-parallel and CP ranks (the same heads, other tokens),
 and fills in the other TP ranks' heads and pipeline stages' layers, so every rank holds the whole matrix
@@ -16,6 +17,15 @@ gamma_h^alpha x gamma_min^(1 - alpha) <= gamma_h: the group's worst head lands o
 or below it, and no weight is ever scaled up. Values are untouched. RoPE rotates q and k after the
 projection, linearly, so it commutes with the scaling: the bound is exact with RoPE too. A per-head
 RMSNorm (--qk-layernorm) would divide the scaling out, so the config refuses the pair.
+
+**MLA** (``model/mla.py``). Head h's logit is c x (q_nope_h . k_nope_h + q_rope_h . k_rope), c the softmax scale:
+q_nope_h and q_rope_h are q_up's (q_proj's) rows of head h (its dq no-position rows, then its dr RoPE rows) times
+q_norm(q_down x); k_nope_h is kv_up's dq key rows of head h times kv_norm(c_kv); k_rope is ONE key from kv_down,
+shared by every head. Scaling q_nope_h's rows by gamma^alpha, k_nope_h's by gamma^(1 - alpha) and q_rope_h's by
+gamma scales both terms, so the whole logit, by gamma exactly (RoPE is linear; the norms sit before the
+up-projections): head h lands on tau. The shared RoPE key, kv_down, the latent norms and kv_up's value rows are
+left alone: scaling the shared key would move every head's logits, so its part is scaled through the query's
+RoPE rows by the full gamma. Every MLA head has its own key, so the rule is per head (no group minimum).
 
 **Where.** The fused qkv weight holds group j's rows as [its r query heads, key, value] x d
 (``model/transformer.py``); each TP rank holds whole groups. The optimizer's fp32 master shard is the
@@ -36,15 +46,21 @@ from torch import nn
 from ..config import Config
 from ..context_parallel.logit_max import LogitMax
 from ..model.chunk import blocks_of
+from ..model.mla import MLA
 from ..model.transformer import Attention
 from ..parallel import collectives as C
 from ..parallel.state import ParallelState
 
 
+def head_gamma(max_logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """Per head gamma = tau / max for heads over tau, else 1 (fp64)."""
+    return torch.where(max_logits > tau, tau / max_logits.double(), torch.ones_like(max_logits, dtype=torch.float64))
+
+
 def head_factors(max_logits: torch.Tensor, tau: float, alpha: float,
                  heads_per_group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(query factors [n], key factors [n / heads_per_group]) for heads whose max logits are ``max_logits``."""
-    gamma = torch.where(max_logits > tau, tau / max_logits.double(), torch.ones_like(max_logits, dtype=torch.float64))
+    gamma = head_gamma(max_logits, tau)
     query = gamma ** alpha
     key = gamma.view(-1, heads_per_group).amin(dim=1) ** (1 - alpha)
     return query, key
@@ -59,6 +75,32 @@ def row_factors(query: torch.Tensor, key: torch.Tensor, head_dim: int) -> torch.
     return rows.reshape(-1)
 
 
+def mla_row_factors(gamma: torch.Tensor, alpha: float, dq: int, dr: int,
+                    dv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of MLA's q_up (q_proj), [head: dq no-position, dr RoPE], and kv_up, [head: dq key, dv value], for
+    heads with these gammas: gamma^alpha, gamma; gamma^(1 - alpha), 1 (the module docstring's rule)."""
+    n = gamma.numel()
+    query = torch.empty(n, dq + dr, dtype=torch.float64)
+    query[:, :dq], query[:, dq:] = (gamma ** alpha)[:, None], gamma[:, None]
+    kv = torch.ones(n, dq + dv, dtype=torch.float64)
+    kv[:, :dq] = (gamma ** (1 - alpha))[:, None]
+    return query.reshape(-1), kv.reshape(-1)
+
+
+def layer_factors(attention: "Attention | MLA", local: torch.Tensor, tau: float, alpha: float,
+                  head_dim: int) -> dict[nn.Parameter, tuple[torch.Tensor, int]]:
+    """param -> (per-row factors, elements per row) of one layer's query/key parameters on this rank, whose heads'
+    max logits are ``local``: the fused qkv weight and bias, or MLA's q_up (q_proj) and kv_up weights."""
+    if isinstance(attention, MLA):
+        query, kv = mla_row_factors(head_gamma(local, tau), alpha, attention.dq, attention.dr, attention.dv)
+        q_linear = attention.q_up if attention.cfg.q_lora_rank is not None else attention.q_proj
+        pairs = [(q_linear.weight, query), (attention.kv_up.weight, kv)]
+    else:
+        rows = row_factors(*head_factors(local, tau, alpha, attention.heads_per_group), head_dim)
+        pairs = [(param, rows) for param in attention.qkv.parameters()]
+    return {param: (rows, param[0].numel() if param.dim() > 1 else 1) for param, rows in pairs}
+
+
 class QKClip:
     """The step's max logits of ``chunks``' attention, reduced, and the clip of their qkv weights (module doc)."""
 
@@ -66,10 +108,10 @@ class QKClip:
         assert cfg.optimizer.qk_clip_threshold is not None, "QKClip needs --qk-clip-threshold"
         self.tau, self.alpha = cfg.optimizer.qk_clip_threshold, cfg.optimizer.qk_clip_alpha
         self.model_cfg, self.pstate, self.optimizer = cfg.model, pstate, optimizer
-        self.layers: list[Attention] = []
+        self.layers: list[Attention | MLA] = []
         for block in (b for chunk in chunks for b in blocks_of(chunk)):
-            if not isinstance(block.attention, Attention):
-                raise ValueError(f"--qk-clip-threshold needs megazero's grouped-qkv Attention in every layer; layer "
+            if not isinstance(block.attention, (Attention, MLA)):
+                raise ValueError(f"--qk-clip-threshold needs megazero's Attention or MLA in every layer; layer "
                                  f"{block.layer_id} has {type(block.attention).__name__}; drop --qk-clip-threshold.")
             self.layers.append(block.attention)
         self.local_heads = cfg.model.num_attention_heads // pstate.tp
@@ -113,10 +155,7 @@ class QKClip:
             local = table[attention.layer_id, first:first + self.local_heads].cpu()
             if not bool((local > self.tau).any()):
                 continue
-            query, key = head_factors(local, self.tau, self.alpha, attention.heads_per_group)
-            rows = row_factors(query, key, self.model_cfg.head_dim)
-            for param in attention.qkv.parameters():
-                factors[param] = (rows, param[0].numel() if param.dim() > 1 else 1)
+            factors.update(layer_factors(attention, local, self.tau, self.alpha, self.model_cfg.head_dim))
         scale_master_shards(self.optimizer, factors)
 
     def fields(self) -> dict[str, Any]:
@@ -130,8 +169,13 @@ class QKClip:
 def scale_master_shards(optimizer: Any, factors: dict[nn.Parameter, tuple[torch.Tensor, int]]) -> None:
     """Multiply each listed parameter's elements, in this rank's master shard pieces, by their row's factor
     (``factors``: param -> (per-row factors, elements per row)); then store the touched shards into the
-    parameters as the step does (a separate master is cast into the working copy)."""
-    store = optimizer.store
+    parameters as the step does (a separate master is cast into the working copy). Offloaded masters are scaled
+    where they live: host memory (``--offload-optimizer cpu``: the sweep's views) or the disk tier's file (the
+    sweep streams every piece in and back out: one more pass over the state file on a step that clips). On CUDA
+    the step's copies up still read the host masters: they finish first, and the touched ones go up again."""
+    store, transfers = optimizer.store, optimizer.transfers
+    if transfers is not None:
+        transfers.up.synchronize()
     for i, lo, views in store.sweep():
         master = views[0]
         buf, bucket = optimizer.bucket_list[i]
@@ -144,7 +188,9 @@ def scale_master_shards(optimizer: Any, factors: dict[nn.Parameter, tuple[torch.
             rows, cols = factors[seg.param]
             scale_rows(master[a - lo:b - lo], seg.param_lo + a - seg.lo, rows, cols)
             touched = True
-        if touched and store.separate_master:
+        if touched and transfers is not None:
+            transfers.send_param(buf, bucket, master, lo)
+        elif touched and store.separate_master:
             buf.set_param_shard(bucket, master, lo)
 
 

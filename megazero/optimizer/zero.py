@@ -1,5 +1,6 @@
 """The distributed AdamW (ZeRO 0/1/2/3): the gradient-sync engine (``data_parallel/engine.py``) composed with
-the step; with ``--optimizer muon`` the update itself is ``muon_shards.ShardedMuon``'s (Muon + AdamW).
+the step; with ``--optimizer muon`` the update itself is ``muon_shards.ShardedMuon``'s (Muon + AdamW), in two
+sweeps of the store (in memory, on the host or on disk), whose second moment holds the AdamW-trained elements only.
 
 The engine owns the buckets and every data-parallel collective; this module is
 the step that runs on the reduced shards once the engine has finished:
@@ -36,7 +37,7 @@ from .adam import AdamHyper, StepResult, adamw_shard_step, decay_runs
 from .grads import clip_coefficient, counts_for_norm, nonfinite_probe, sum_squares_fp64
 from .muon_shards import ShardedMuon
 from .offload import ShardOnDemand, build_store
-from .pieces import runs_in
+from .pieces import kept_in, runs_in
 from .scaler import DynamicLossScaler
 
 
@@ -55,23 +56,25 @@ class DistributedOptimizer:
         self.cfg, self.pstate, self.zero, self.scaler, self.sync = cfg, pstate, sync.stage, scaler, sync
         self.buffers: list[ParamGradBuffer] = self.sync.buffers
         self.decay_runs = [[decay_runs(b.segments) for b in buf.buckets] for buf in self.buffers]
+        self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
+        self.muon: ShardedMuon | None = None
+        cuts, kept = [r for runs in self.decay_runs for r in runs], None
         try:
+            if cfg.optimizer == "muon":  # one moment for Muon's elements: the store keeps exp_avg_sq for AdamW's
+                assert muon is not None, "--optimizer muon needs the model config and parameter names"
+                self.muon = ShardedMuon(self.bucket_list, [sync.groups[buf.expert] for buf, _ in self.bucket_list],
+                                        muon[1], muon[0], cfg, pstate)
+                kept = [self.muon.kept(i) for i in range(len(self.bucket_list))]
+                cuts = [(sorted([(s.lo, s.hi) for s in b.segments]), []) for _, b in self.bucket_list]  # segments
             self.store = _agreed_store([[_initial_shard(buf, b) for b in buf.buckets] for buf in self.buffers],
-                                       placement, pstate, [r for runs in self.decay_runs for r in runs])
+                                       placement, pstate, cuts, kept)
         except BaseException:  # no optimizer to close yet: the engine made above closes now
             self.sync.close()
             raise
-        self.bucket_list = [(buf, b) for buf in self.buffers for b in buf.buckets]  # the store's bucket order
         self.norm_runs = [[_norm_runs(b, sync, counted=True) for b in buf.buckets] for buf in self.buffers]
         self.probe_runs = [[_norm_runs(b, sync, counted=False) for b in buf.buckets] for buf in self.buffers]
         self.step_count = 0
         self.after_update: Callable[[], None] | None = None  # --qk-clip-threshold: ``qk_clip.QKClip.clip``
-        self.muon: ShardedMuon | None = None
-        if cfg.optimizer == "muon":
-            assert muon is not None, "--optimizer muon needs the model config and parameter names"
-            assert self.store.placement == Placement.DEVICE, "Config.refuse_unbuilt_muon refuses offload"
-            self.muon = ShardedMuon(self.bucket_list, [sync.groups[buf.expert] for buf, _ in self.bucket_list],
-                                    muon[1], muon[0], cfg, pstate)
 
     @property
     def transfers(self) -> HostTransfers | None:
@@ -132,7 +135,7 @@ class DistributedOptimizer:
                           beta2=self.cfg.adam_beta2, eps=self.cfg.adam_eps)
         flat_grads = [g for gs in grads for g in gs]
         if self.muon is not None:
-            self._muon_step(self.muon, flat_grads, coef, lr)
+            self._muon_step(self.muon, flat_grads, coef, lr, unscaled_by)
         else:
             self._adamw_step(flat_grads, coef, hyper, unscaled_by)
         if self.after_update is not None:  # QK-clip scales the updated master weights before the gather
@@ -153,6 +156,7 @@ class DistributedOptimizer:
             buf, b = self.bucket_list[i]                                   # bucket (disk: maybe in pieces)
             if lo == 0:
                 grad = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
+            assert grad is not None, "a sweep starts each bucket at offset 0"
             hi = lo + master.numel()
             g = grad[lo:hi]
             if coef < 1.0:
@@ -164,13 +168,30 @@ class DistributedOptimizer:
             elif self.store.separate_master:
                 buf.set_param_shard(b, master, lo)
 
-    def _muon_step(self, muon: ShardedMuon, flat_grads: list[torch.Tensor], coef: float, lr: float) -> None:
-        """Muon and AdamW on the device store's shards (``muon_shards.ShardedMuon``), then store the parameters."""
-        views = [v for _, _, v in self.store.sweep()]
-        muon.step(views, flat_grads, coef, lr, self.step_count)
-        if self.store.separate_master:
-            for (buf, b), (master, _, _) in zip(self.bucket_list, views):
-                buf.set_param_shard(b, master)
+    def _muon_step(self, muon: ShardedMuon, flat_grads: list[torch.Tensor], coef: float, lr: float,
+                   unscaled_by: float | None) -> None:
+        """Muon and AdamW (``muon_shards.ShardedMuon``) where the state lives, then store the parameters: a first
+        sweep runs AdamW, the momentum and NS; the NS outputs are shared; a second sweep decays the Muon weights and
+        adds their updates (the device and host stores' sweeps are views in place; the disk tier reads twice)."""
+        muon.begin(lr)
+        grad = None
+        for i, lo, views in self.store.sweep():
+            if lo == 0:
+                grad = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
+            assert grad is not None, "a sweep starts each bucket at offset 0"
+            g = grad[lo:lo + views[0].numel()]
+            if coef < 1.0:
+                g.mul_(coef)
+            muon.first(i, lo, views, g.to(views[0].device), self.step_count)
+        muon.share()
+        for i, lo, (master, _, _) in self.store.sweep():
+            buf, b = self.bucket_list[i]
+            muon.second(i, lo, master)
+            if self.transfers is not None:
+                self.transfers.send_param(buf, b, master, lo)
+            elif self.store.separate_master:
+                buf.set_param_shard(b, master, lo)
+        muon.end()
 
     def _host_grad(self, i: int, scale: float | None) -> torch.Tensor:
         """Bucket ``i``'s grad shard as copied to the host during backward, unscaled here as the device
@@ -218,10 +239,11 @@ class DistributedOptimizer:
         """Per piece of a parameter this rank updates: (param, flat offset into the TP-local param,
         views of its fp32 master weights and moments). Checkpoints save and load through these."""
         for i, _, (master, exp_avg, exp_avg_sq) in self.store.sweep(whole=True):  # disk: one bucket at a time
+            kept = None if self.muon is None else self.muon.kept(i)
             for seg in self.bucket_list[i][1].segments:
                 piece = slice(seg.lo, seg.hi)
                 yield seg.param, seg.param_lo, {"master": master[piece], "exp_avg": exp_avg[piece],
-                                                "exp_avg_sq": exp_avg_sq[piece]}
+                                                "exp_avg_sq": _second_moment(exp_avg_sq, kept, seg)}
 
     @property
     def state_views_transient(self) -> bool:
@@ -255,6 +277,17 @@ class DistributedOptimizer:
         self.sync.wait_param_gather()
 
 
+def _second_moment(exp_avg_sq: torch.Tensor, kept: list[tuple[int, int]] | None, seg) -> torch.Tensor:
+    """A segment's exp_avg_sq: its slice of the shard's, or (Muon) of the compact one for an AdamW segment, and
+    zeros for a Muon one (not stored: checkpoints keep the format, a zero second moment, and a load drops it)."""
+    if kept is None:
+        return exp_avg_sq[seg.lo:seg.hi]
+    if (seg.lo, seg.hi) not in kept:
+        return exp_avg_sq.new_zeros(seg.hi - seg.lo)
+    at = kept_in(kept, 0, seg.lo)
+    return exp_avg_sq[at:at + seg.hi - seg.lo]
+
+
 def _initial_shard(buf: ParamGradBuffer, b: Bucket):
     """What the store's masters start from: the shard in place, or read from its offload store one bucket at a
     time as the optimizer store copies it (``ShardOnDemand``)."""
@@ -264,12 +297,12 @@ def _initial_shard(buf: ParamGradBuffer, b: Bucket):
 
 
 def _agreed_store(shards: list[list[torch.Tensor]], placement: StatePlacement, pstate: ParallelState,
-                  runs: list | None = None):
+                  runs: list | None = None, kept: list | None = None):
     """The optimizer-state store; a rank that cannot build it (an unusable --offload-path) makes every
     rank raise the same error here, before a collective of the step could hang on it."""
     store, problem = None, None
     try:
-        store = build_store(shards, placement, pstate.rank, runs)
+        store = build_store(shards, placement, pstate.rank, runs, kept)
     except OffloadError as err:
         problem = f"rank {pstate.rank}: {err}"
     if placement.optimizer_state == Placement.DEVICE:

@@ -215,15 +215,15 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group: Group, async_op
                   async_op, t.device)
 
 
-def batch_isend_irecv(ops: list[dist.P2POp], group: Group) -> list:
-    """Point-to-point ops issued together; counts the bytes of the sends."""
+def batch_isend_irecv(ops: list[dist.P2POp], group: Group, phase: str | None = None) -> list:
+    """Point-to-point ops issued together; counts the bytes of the sends (``phase``: as ``send.<phase>``)."""
     assert group is not None or not ops, "point-to-point ops need the group of their peers"
     if not ops:
         return []
     ledger, axis = _owner(group)
     for op in ops:
         if op.op in (dist.isend, dist.send):
-            ledger.add("send", axis, _nbytes(op.tensor))
+            ledger.add("send" if phase is None else f"send.{phase}", axis, _nbytes(op.tensor))
     works = dist.batch_isend_irecv(ops)
     if not ledger.timing:
         return works

@@ -10,8 +10,11 @@ import os
 import megazero.optimizer.muon_shards as shards
 from megazero.arguments import parse_config
 from megazero.memory.muon_plan import block_matrix_shapes
+from megazero.memory.muon_traffic import muon_step_bytes
+from megazero.memory.params import num_parameters
 from megazero.optimizer.muon import ns_cost
 from megazero.optimizer.muon_shards import assign_owners
+from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
 from tests.helpers.launch import ROOT
 from tests.helpers.optimizer_harness import make_cfg, train
@@ -77,3 +80,19 @@ def test_ns_work_measured_per_rank_at_dp4_is_the_assignments() -> None:
     ratio = max(work) / (sum(work) / WORLD)
     print(f"measured NS work per rank at dp 4, {layers} layers x {hidden}: max / mean {ratio:.3f}")
     assert ratio <= BOUND, (ratio, work)
+
+
+def test_gpt2_small_muon_traffic_at_dp8_is_within_moonlights_bound() -> None:
+    """Issue 42's traffic claim, by the planner's formula (``muon_traffic``, which the ledger is tested to equal):
+    gpt2-small's shape at dp 8, ZeRO 1 and 2, fp32: the busiest rank's Muon sends plus AdamW's reduce-scatter and
+    all-gather ((N-1)/N of P each, 4 bytes) at most 1.25x AdamW's alone."""
+    for zero in (1, 2):
+        cfg = parse_config(["--config", os.path.join(ROOT, "configs", "gpt2-small.yaml"), "--optimizer", "muon",
+                            "--zero", str(zero)])[0]
+        run = RunPlan.resolve(cfg, 8)
+        adamw = 4 * 2 * 7 / 8 * num_parameters(cfg.model)
+        muon = muon_step_bytes(cfg, run, 0)
+        mean = sum(muon_step_bytes(cfg, run, 0, r) for r in range(8)) / 8
+        print(f"gpt2-small dp 8 ZeRO {zero}: busiest rank {(adamw + muon) / adamw:.3f}x AdamW, "
+              f"mean {(adamw + mean) / adamw:.3f}x")
+        assert 1.0 < (adamw + muon) / adamw <= 1.25, (zero, muon, adamw)

@@ -11,7 +11,7 @@ at dp 4 (--no-reshard-after-forward).
 Every rank's loss and grad norm of every iteration within 1e-5 relative of the same config in one process; the
 NS calls summed over the ranks exactly one per Muon matrix of the whole model per step; each rank's holders (the
 ranks its dense and its expert weights are owned over) dp x cp x tp and edp x etp of its stage; the bytes of
-Muon's gathers counted at the collectives equal the documented formula every step.
+Muon's gathers and scatters counted at the collectives equal the documented formula every step.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from megazero.optimizer.muon import matrices_of, split_parameters
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
 from tests.helpers.moe_runs import layout_of, make_cfg, serial_config
+from tests.helpers.muon_runs import muon_bytes
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
 from tests.helpers.tiny_config import degrees, family, tiny_config
@@ -79,8 +80,7 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config]]) -> dict[str,
         muon = seen[0]
         out[key] = {"records": records(result), "ns_calls": muon.ns_calls,
                     "holders": {expert: h.ranks for expert, h in muon.holders.items()},
-                    "muon_bytes": [sum(v for k, v in r["comm_bytes"].items() if k.startswith("all_gather.muon/"))
-                                   for r in result["records"]],
+                    "muon_bytes": [muon_bytes(r) for r in result["records"]],
                     "formula": muon.step_bytes()}
     return out
 

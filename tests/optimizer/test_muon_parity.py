@@ -11,7 +11,8 @@
   of 20 iterations within 1e-5 relative of the same config trained in one process (16-bit: half a unit
   roundoff); a rerun bitwise; the NS calls summed over the ranks
   exactly one per Muon matrix per step, and each rank making some of them (the work is shared); the bytes of
-  Muon's gathers counted at the collectives equal the documented formula every step.
+  Muon's gathers and scatters counted at the collectives equal the documented formula every step, and the planner's
+  prediction of them from the config alone (``memory/muon_traffic.py``).
 """
 from __future__ import annotations
 
@@ -26,25 +27,22 @@ from megazero.model.gpt import GPTModel
 from megazero.model.transformer import TPContext
 from megazero.optimizer.grads import clip_coefficient
 from megazero.optimizer.muon import SerialMuon, matrices_of, muon_hyper, split_parameters
+from megazero.memory.muon_traffic import muon_step_bytes
 from megazero.optimizer.zero import DistributedOptimizer
 from megazero.parallel.state import ParallelState
+from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
 from tests.helpers.moe_runs import layout_of, serial_config
+from tests.helpers.muon_runs import ADAM_LR, ITERS, MUON_LR, muon_cfg, records
+from tests.helpers.muon_runs import muon_bytes as muon_bytes_of
 from tests.helpers.optimizer_harness import SyntheticBatches, train
 from tests.helpers.reference import param_groups
 from tests.helpers.session_cache import cached
-from tests.helpers.tiny_config import degrees, family, tiny_config
+from tests.helpers.tiny_config import degrees
 
-ITERS, MUON_LR, ADAM_LR, CLIP = 20, 0.02, 1e-3, 0.05
-
-
-def muon_cfg(arch: str = "llama", **flat: Any) -> Config:
-    """The tiny config trained by Muon (lr 0.02) with AdamW (lr 1e-3) for the rest, 20 iterations of 8 samples."""
-    settings = dict(optimizer="muon", lr=MUON_LR, muon_adam_lr=ADAM_LR, train_iters=ITERS, micro_batch_size=4,
-                    global_batch_size=8)
-    return tiny_config(**family(arch), **{**settings, **flat})
+CLIP = 0.05
 
 
 def test_one_process_is_serial_muon_with_adamw():
@@ -122,10 +120,6 @@ def tolerance(key: str) -> float:
     return TOLERANCE.get(key.rsplit(".", 1)[-1], 1e-5)
 
 
-def records(result: dict[str, Any]) -> list[tuple[float, float]]:
-    return [(r["loss"], r["grad_norm"]) for r in result["records"]]
-
-
 def run_many(pstate: ParallelState, runs: list[tuple[str, Config, bool]]) -> dict[str, list[dict[str, Any]]]:
     """Every rank trains every run (twice where asked), building each new layout's groups collectively; per run
     the records, this rank's NS calls and the Muon matrices of its chunks."""
@@ -139,8 +133,7 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config, bool]]) -> dic
         for _ in range(2 if rerun else 1):
             seen: list[Any] = []
             result = train(states[layout], cfg, hook=lambda model, _: seen.append(model.optimizer.muon))
-            muon_bytes = [sum(v for k, v in r["comm_bytes"].items() if k.startswith("all_gather.muon/"))
-                          for r in result["records"]]
+            muon_bytes = [muon_bytes_of(r) for r in result["records"]]
             out[key].append({"records": records(result), "ns_calls": seen[0].ns_calls,
                              "matrices": seen[0].matrices, "muon_bytes": muon_bytes, "formula": seen[0].step_bytes()})
     return out
@@ -176,12 +169,21 @@ def test_two_ranks_train_what_one_process_trains(world):
 
 
 def test_the_gathers_muon_adds_move_the_documented_bytes(world):
-    """The ledger's all_gather.muon bytes of every step equal docs/optimizers.md's formula (``step_bytes``)."""
+    """The ledger's send.muon bytes of every step equal docs/optimizers.md's formula (``step_bytes``)."""
     for rank, per_run in enumerate(world):
         for key, runs in per_run.items():
             run = runs[0]
             assert run["formula"] > 0 and run["muon_bytes"] == [run["formula"]] * ITERS, (rank, key, run["formula"],
                                                                                           run["muon_bytes"][:3])
+
+
+def test_the_planner_predicts_the_bytes_the_gathers_move(world):
+    """``memory.muon_traffic.muon_step_bytes``, from the config alone, equals every rank's ledger count every step."""
+    for key, cfg, _ in RUNS:
+        for rank, per_run in enumerate(world):
+            planned = muon_step_bytes(cfg, RunPlan.resolve(cfg, 2), 0, rank)
+            assert per_run[key][0]["muon_bytes"] == [planned] * ITERS, (rank, key, planned,
+                                                                        per_run[key][0]["muon_bytes"][:2])
 
 
 def test_each_matrix_is_orthogonalised_once_per_step(world):

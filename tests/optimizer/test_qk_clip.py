@@ -16,7 +16,8 @@
   and the hybrid (a2a 2 x ring 2) give each rank's heads, max-reduced over the CP group, the fp64 reference's
   per-head maxima (1e-6), with and without documents, MHA, GQA and replicated kv heads; all-to-all bitwise the
   one-process sink's.
-- Off by default: no sink, no hook, no fields; the flags refused without Muon.
+- Off by default: no sink, no hook, no fields; the flags refused without Muon and with --qk-layernorm; accepted
+  with --compile and --multi-latent-attention (their tests: test_qk_clip_compile.py, test_qk_clip_mla*.py).
 """
 from __future__ import annotations
 
@@ -334,10 +335,10 @@ def test_off_by_default_collects_nothing_and_the_flags_need_muon():
     assert "max_logit" not in result["records"][0] and "qk_clip_count" not in result["records"][0]
     for flat, named in ((dict(qk_clip_threshold=1.0), "--qk-clip-threshold"),
                         (dict(optimizer="muon", qk_clip_alpha=0.2), "--qk-clip-alpha"),
-                        (dict(optimizer="muon", qk_clip_threshold=1.0, compile=True), "--compile"),
                         (dict(optimizer="muon", qk_clip_threshold=1.0, arch="llama", qk_layernorm=True),
-                         "--qk-layernorm"),
-                        (dict(optimizer="muon", qk_clip_threshold=1.0, arch="llama", multi_latent_attention=True),
-                         "--multi-latent-attention")):
+                         "--qk-layernorm")):
         with pytest.raises(ConfigError, match=named):
             Config.from_flat(tiny_config(**flat).to_flat(), explicit=frozenset(flat))
+    for flat in (dict(compile=True), dict(arch="llama", multi_latent_attention=True)):  # built: accepted
+        flat = dict(optimizer="muon", qk_clip_threshold=1.0, **flat)
+        Config.from_flat(tiny_config(**flat).to_flat(), explicit=frozenset(flat))

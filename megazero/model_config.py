@@ -5,7 +5,7 @@ checkpoint converters read it without the rest of a run's configuration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .config_fields import Needs, check_fields, opt, require, when
 from .moe_config import MoEFields
@@ -90,6 +90,12 @@ class ModelConfig(MoEFields):
     mtp_loss_scaling_factor: float = opt(0.1, "Weight of the MTP loss: the mean over the D depths of each depth's "
                                          "token-mean loss, times this, is added to the LM loss.", at_least=0,
                                          applies=Needs("--mtp-num-layers D >= 1", ("mtp_num_layers",), bool))
+
+    def __hash__(self) -> int:
+        """The planner caches per model (meta-device blocks); --moe-layer-freq is a list (argparse's nargs), so it
+        is hashed as a tuple, which the generated hash would refuse."""
+        values = (getattr(self, f.name) for f in fields(self))
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in values))
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import megazero.optimizer.muon_shards as muon_shards
+from megazero.arguments import parse_config
 from megazero.config import Config
 from megazero.memory import PlanSpec, plan_memory
 from megazero.memory.muon_plan import ns_workspace_elements
@@ -128,3 +129,20 @@ def test_search_proposes_only_what_muon_takes():
     refused = {_key(c) for c in adamw} - takes
     if not trains(cfg.updated(optimizer="muon", zero=3)):  # while Muon refuses ZeRO 3, the grid exercises it
         assert any(k[4] == 3 for k in refused), refused
+
+
+@pytest.mark.parametrize("preset,pp", [("deepseek-tiny.yaml", 2), ("moonlight-16b-a3b.yaml", 3)])
+def test_presets_with_a_moe_layer_list_plan_under_muon(preset, pp):
+    """A preset's --moe-layer-freq is a list: the planner's per-model caches of Muon's matrices hash the model
+    config (a plain `torchrun ... --config configs/deepseek-tiny.yaml --optimizer muon --pp 2` once failed there
+    with "unhashable type: 'list'"). Every stage's Muon state is one moment less than AdamW's."""
+    flags = ["--config", f"configs/{preset}", "--pp", str(pp), "--ep", "2", "--zero", "1", "--vocab-size", "8000",
+             "--recompute", "full"]
+    plans = {}
+    for optimizer in ("adamw", "muon"):
+        cfg, _ = parse_config([*flags, "--optimizer", optimizer])
+        assert isinstance(cfg.model.moe_layer_freq, list)
+        spec = PlanSpec.from_plan(cfg, RunPlan.resolve(cfg, 4 * pp), device="cpu")  # dp 4
+        plans[optimizer] = plan_memory(spec).stages
+    for adamw, muon in zip(plans["adamw"], plans["muon"]):
+        assert muon.optimizer_bytes < adamw.optimizer_bytes, (adamw.optimizer_bytes, muon.optimizer_bytes)

@@ -10,6 +10,7 @@ load): its counts are the main model's (V3: 671B total, 37B active), and the MTP
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -18,13 +19,15 @@ import pytest
 import torch
 
 from megazero.arguments import parse_config
+from megazero.checkpoint.convert import save_hf
 from megazero.config import ModelConfig
 from megazero.memory import num_parameters
 from megazero.memory.experts import inactive_params
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
-from megazero.tensor_parallel.layers import spec_of
+from megazero.tensor_parallel.layers import initialize_parameters, spec_of
 from megazero.training.run import validate
+from tests.helpers.deepseek_hf import LOGIT_TOL, ids, logits_error
 from tests.helpers.launch import TEST_VOCAB, train_records
 
 transformers = pytest.importorskip("transformers")
@@ -185,7 +188,22 @@ def test_tiny_preset_trains_two_iterations(tmp_path):
     assert all(math.isfinite(r["mtp_1_loss"]) for r in records)
     assert abs(records[0]["loss"] - math.log(TEST_VOCAB)) < 0.5
     assert abs(records[0]["mtp_1_loss"] - math.log(TEST_VOCAB)) < 0.5
-    tokens = 16 * 128 * 2  # the global batch's tokens, k = 2 experts each
+    tokens = 16 * 128 * 4  # the global batch's tokens, k = 4 experts each
     for r in records:
         assert sorted(r["moe_layers"]) == ["1", "2", "3", "4"]
         assert all(sum(v["tokens_per_expert"]) == tokens for v in r["moe_layers"].values())
+
+
+def test_tiny_preset_exports_to_transformers(tmp_path):
+    """The CI-sized preset is one transformers computes: exported as DeepseekV3ForCausalLM (no refused setting),
+    ``from_pretrained`` gives megazero's logits within 1e-5 (the MTP module is written as hub layer 4, which
+    transformers drops on load, so the main model is compared)."""
+    cfg = preset("deepseek-tiny.yaml")
+    model = GPTModel(cfg, TPContext())
+    initialize_parameters(model, 5, None)
+    state = model.state_dict()
+    save_hf(str(tmp_path / "hf"), cfg, state, None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager").eval()
+    assert type(hf).__name__ == "DeepseekV3ForCausalLM"
+    main = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+    assert logits_error(dataclasses.replace(cfg, mtp_num_layers=None), main, hf, ids(5)) <= LOGIT_TOL

@@ -80,6 +80,11 @@ COMMANDS: dict[str, str] = {
     "docs/img/tiny_metrics.png": _PLOT,
     ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --tp 2 --pp 4 --dp 8 --zero 1": RUN,
     ".venv/bin/python tools/plan_memory.py --config configs/llama-7b.yaml --gpus 64 --gpu-memory 80 --top 5": RUN,
+    ".venv/bin/python tools/plan_memory.py --config configs/deepseek-v3.yaml --cp 1 --gpus 1024 --gpu-memory 80 "
+    "--gpus-per-node 8 --top 12": "the layout search over ~2000 plans (about 40 CPU-seconds); "
+                                  "tests/memory/test_deepseek_planner_doc.py re-runs its stage plan and tp 1 search",
+    ".venv/bin/torchrun --nnodes 128 --nproc_per_node 8 pretrain_gpt.py --config configs/deepseek-v3.yaml --tp 8 "
+    "--ep 256 --etp 1 --zero 1": _MULTI_NODE,
     "make gpu-check": "GPU only: without a GPU it says so and exits 0; tests/cuda/ holds what it runs",
     "make setup": "creates .venv, the environment this test runs in",
     # docs/

@@ -49,6 +49,15 @@ def layout_of(cfg: Config, world: int) -> Layout:
     return Layout.from_world(world, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=p.expert_tensor_parallel_size)
 
 
+def state_for(states: dict[Any, ParallelState], cfg: Config, world: int) -> ParallelState:
+    """The ParallelState of ``cfg``'s layout and CP form in a ``world``-rank world, built the first time it is
+    asked for (collective: every rank asks for the same layouts in the same order) and reused after."""
+    key = (layout_of(cfg, world), cfg.parallel.cp_a2a)
+    if key not in states:
+        states[key] = ParallelState.build(key[0], "cpu", cp_a2a=key[1])
+    return states[key]
+
+
 def records(result: dict[str, Any]) -> list[tuple[float, float]]:
     return [(r["loss"], r["grad_norm"]) for r in result["records"]]
 
@@ -65,14 +74,12 @@ def _routers_where_configured(cfg: Config):
 
 def run_many(pstate: ParallelState, runs: list[MoERun]) -> dict[str, list[list[tuple[float, float]]]]:
     """Every rank trains every run (twice where ``rerun``), building each new layout's groups collectively."""
-    states: dict[Layout, ParallelState] = {}
+    states: dict[Any, ParallelState] = {}
     out = {}
     for run in runs:
-        layout = layout_of(run.cfg, pstate.layout.world_size)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout, "cpu", cp_a2a=run.cfg.parallel.cp_a2a)
+        state = state_for(states, run.cfg, pstate.layout.world_size)
         hook = _routers_where_configured(run.cfg)
-        out[run.key] = [records(train(states[layout], run.cfg, hook=hook)) for _ in range(2 if run.rerun else 1)]
+        out[run.key] = [records(train(state, run.cfg, hook=hook)) for _ in range(2 if run.rerun else 1)]
     return out
 
 

@@ -32,11 +32,10 @@ from torch._dynamo.utils import counters
 
 from megazero.config import Config
 from megazero.model.chunk import routers_of
-from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.training.parallelize import TrainingModel
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import MoERun, layout_of, serial_config
+from tests.helpers.moe_runs import MoERun, serial_config, state_for
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
 from tests.helpers.tiny_config import SHORT_PARALLEL, degrees, tiny_config
@@ -98,13 +97,11 @@ def _train_with_router_check(pstate: ParallelState, cfg: Config) -> list[tuple[f
 
 def run_layouts(pstate: ParallelState, runs: list[MoERun]) -> dict[str, list[list[tuple[float, ...]]]]:
     """Every rank trains every run (twice where ``rerun``), building each new layout's groups collectively."""
-    states: dict[Layout, ParallelState] = {}
+    states: dict[Any, ParallelState] = {}
     out = {}
     for run in runs:
-        layout = layout_of(run.cfg, pstate.layout.world_size)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout, "cpu", cp_a2a=run.cfg.parallel.cp_a2a)
-        out[run.key] = [_train_with_router_check(states[layout], run.cfg) for _ in range(2 if run.rerun else 1)]
+        state = state_for(states, run.cfg, pstate.layout.world_size)
+        out[run.key] = [_train_with_router_check(state, run.cfg) for _ in range(2 if run.rerun else 1)]
     return out
 
 

@@ -26,7 +26,7 @@ from megazero.model.transformer import TPContext
 from megazero.optimizer.muon import matrices_of, split_parameters
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import layout_of, make_cfg, serial_config
+from tests.helpers.moe_runs import layout_of, make_cfg, serial_config, state_for
 from tests.helpers.muon_runs import muon_bytes
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
@@ -72,11 +72,9 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config]]) -> dict[str,
     states: dict[Any, ParallelState] = {}
     out = {}
     for key, cfg in runs:
-        layout = (layout_of(cfg, pstate.layout.world_size), cfg.parallel.cp_a2a)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout[0], "cpu", cp_a2a=layout[1])
+        state = state_for(states, cfg, pstate.layout.world_size)
         seen: list[Any] = []
-        result = train(states[layout], cfg, hook=lambda model, _: seen.append(model.optimizer.muon))
+        result = train(state, cfg, hook=lambda model, _: seen.append(model.optimizer.muon))
         muon = seen[0]
         out[key] = {"records": records(result), "ns_calls": muon.ns_calls,
                     "holders": {expert: h.ranks for expert, h in muon.holders.items()},

@@ -25,7 +25,7 @@ from megazero.optimizer.accounting import measured_state_bytes
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import layout_of, serial_records
+from tests.helpers.moe_runs import serial_records, state_for
 from tests.helpers.muon_runs import ITERS, muon_cfg, records
 from tests.helpers.offload_runs import differences
 from tests.helpers.optimizer_harness import train
@@ -88,10 +88,8 @@ def run_many(pstate: ParallelState, folder: str) -> dict[str, Any]:
     states: dict[Any, ParallelState] = {}
     out: dict[str, Any] = {}
     for key, cfg, _, rerun in runs(folder):
-        layout = layout_of(cfg, pstate.layout.world_size)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout, "cpu")
-        out[key] = [train_one(states[layout], cfg) for _ in range(2 if rerun else 1)]
+        state = state_for(states, cfg, pstate.layout.world_size)
+        out[key] = [train_one(state, cfg) for _ in range(2 if rerun else 1)]
     out["checkpoints"] = checkpoints(pstate, folder)
     return out
 

@@ -34,7 +34,7 @@ from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import layout_of, serial_config
+from tests.helpers.moe_runs import serial_config, state_for
 from tests.helpers.muon_runs import ADAM_LR, ITERS, MUON_LR, muon_cfg, records
 from tests.helpers.muon_runs import muon_bytes as muon_bytes_of
 from tests.helpers.optimizer_harness import SyntheticBatches, train
@@ -126,13 +126,11 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config, bool]]) -> dic
     states: dict[Any, ParallelState] = {}
     out = {}
     for key, cfg, rerun in runs:
-        layout = layout_of(cfg, pstate.layout.world_size)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout, "cpu")
+        state = state_for(states, cfg, pstate.layout.world_size)
         out[key] = []
         for _ in range(2 if rerun else 1):
             seen: list[Any] = []
-            result = train(states[layout], cfg, hook=lambda model, _: seen.append(model.optimizer.muon))
+            result = train(state, cfg, hook=lambda model, _: seen.append(model.optimizer.muon))
             muon_bytes = [muon_bytes_of(r) for r in result["records"]]
             out[key].append({"records": records(result), "ns_calls": seen[0].ns_calls,
                              "matrices": seen[0].matrices, "muon_bytes": muon_bytes, "formula": seen[0].step_bytes()})

@@ -21,7 +21,7 @@ from megazero.optimizer.muon_routes import WeightGeometry, gather_routes, scatte
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import layout_of
+from tests.helpers.moe_runs import state_for
 from tests.helpers.optimizer_harness import train
 from tests.helpers.muon_runs import dense, moe, muon_bytes
 from tests.helpers.tiny_config import degrees
@@ -45,10 +45,8 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config]]) -> dict[str,
     states: dict[Any, ParallelState] = {}
     out = {}
     for key, cfg in runs:
-        layout = (layout_of(cfg, pstate.layout.world_size), cfg.parallel.cp_a2a)
-        if layout not in states:
-            states[layout] = ParallelState.build(layout[0], "cpu", cp_a2a=layout[1])
-        result = train(states[layout], cfg)
+        state = state_for(states, cfg, pstate.layout.world_size)
+        result = train(state, cfg)
         out[key] = {"pp_rank": result["pp_rank"],
                     "muon_bytes": [muon_bytes(r) for r in result["records"]]}
     return out

@@ -41,6 +41,9 @@ from .pieces import kept_in, runs_in
 from .scaler import DynamicLossScaler
 
 
+Views = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # a piece of the store: master, exp_avg, exp_avg_sq
+
+
 class DistributedOptimizer:
     """AdamW (``cfg``) on the shards of ``sync``, the gradient-sync engine it steps (its ZeRO stage, buckets and
     placement are the engine's settings); the trainer's optimizer interface.
@@ -151,29 +154,16 @@ class DistributedOptimizer:
                     unscaled_by: float | None) -> None:
         """Clip and AdamW every bucket's shard where its state lives, and store the updated parameters."""
         flat_runs = [r for runs in self.decay_runs for r in runs]
-        grad = None
-        for i, lo, (master, exp_avg, exp_avg_sq) in self.store.sweep():  # the state where it lives, bucket by
-            buf, b = self.bucket_list[i]                                   # bucket (disk: maybe in pieces)
-            if lo == 0:
-                grad = flat_grads[i] if self.transfers is None else self._host_grad(i, unscaled_by)
-            assert grad is not None, "a sweep starts each bucket at offset 0"
+        for i, lo, (master, exp_avg, exp_avg_sq), g in self._swept_grads(flat_grads, coef, unscaled_by):
             hi = lo + master.numel()
-            g = grad[lo:hi]
-            if coef < 1.0:
-                g.mul_(coef)
-            runs = flat_runs[i] if hi - lo == b.shard_numel else runs_in(flat_runs[i], lo, hi)
+            runs = flat_runs[i] if hi - lo == self.bucket_list[i][1].shard_numel else runs_in(flat_runs[i], lo, hi)
             adamw_shard_step(master, g.to(master.device), exp_avg, exp_avg_sq, runs, hyper, self.step_count)
-            if self.transfers is not None:
-                self.transfers.send_param(buf, b, master, lo)
-            elif self.store.separate_master:
-                buf.set_param_shard(b, master, lo)
+            self._store_param(i, lo, master)
 
-    def _muon_step(self, muon: ShardedMuon, flat_grads: list[torch.Tensor], coef: float, lr: float,
-                   unscaled_by: float | None) -> None:
-        """Muon and AdamW (``muon_shards.ShardedMuon``) where the state lives, then store the parameters: a first
-        sweep runs AdamW, the momentum and NS; the NS outputs are shared; a second sweep decays the Muon weights and
-        adds their updates (the device and host stores' sweeps are views in place; the disk tier reads twice)."""
-        muon.begin(lr)
+    def _swept_grads(self, flat_grads: list[torch.Tensor], coef: float,
+                     unscaled_by: float | None) -> Iterator[tuple[int, int, Views, torch.Tensor]]:
+        """The store's sweep (the state where it lives, bucket by bucket; disk: maybe in pieces), each piece with
+        its clipped fp32 grad (from the device, or as copied to the host during backward)."""
         grad = None
         for i, lo, views in self.store.sweep():
             if lo == 0:
@@ -182,15 +172,28 @@ class DistributedOptimizer:
             g = grad[lo:lo + views[0].numel()]
             if coef < 1.0:
                 g.mul_(coef)
+            yield i, lo, views, g
+
+    def _store_param(self, i: int, lo: int, master: torch.Tensor) -> None:
+        """Bucket ``i``'s updated master piece at ``lo`` back to its parameters (sent from the host when offloaded)."""
+        buf, b = self.bucket_list[i]
+        if self.transfers is not None:
+            self.transfers.send_param(buf, b, master, lo)
+        elif self.store.separate_master:
+            buf.set_param_shard(b, master, lo)
+
+    def _muon_step(self, muon: ShardedMuon, flat_grads: list[torch.Tensor], coef: float, lr: float,
+                   unscaled_by: float | None) -> None:
+        """Muon and AdamW (``muon_shards.ShardedMuon``) where the state lives, then store the parameters: a first
+        sweep runs AdamW, the momentum and NS; the NS outputs are shared; a second sweep decays the Muon weights and
+        adds their updates (the device and host stores' sweeps are views in place; the disk tier reads twice)."""
+        muon.begin(lr)
+        for i, lo, views, g in self._swept_grads(flat_grads, coef, unscaled_by):
             muon.first(i, lo, views, g.to(views[0].device), self.step_count)
         muon.share()
         for i, lo, (master, _, _) in self.store.sweep():
-            buf, b = self.bucket_list[i]
             muon.second(i, lo, master)
-            if self.transfers is not None:
-                self.transfers.send_param(buf, b, master, lo)
-            elif self.store.separate_master:
-                buf.set_param_shard(b, master, lo)
+            self._store_param(i, lo, master)
         muon.end()
 
     def _host_grad(self, i: int, scale: float | None) -> torch.Tensor:

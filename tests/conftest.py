@@ -16,6 +16,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     _mark_tiers(items)
+    _costliest_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
@@ -37,6 +38,19 @@ def _mark_tiers(items):
             item.add_marker(getattr(pytest.mark, tiers[path]))
 
 
+def _costliest_modules_first(items):
+    """Reorder in place: modules by CPU cost, highest first, each keeping its own order (``suite_order.py``)."""
+    from tests.helpers.cpu_meter import tier
+    from tests.helpers.suite_order import costliest_first, read_costs
+
+    by_module: dict[str, list] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    tiers = {m: tier(tests[0].keywords) for m, tests in by_module.items()}
+    order = costliest_first(list(by_module), tiers, {m: len(t) for m, t in by_module.items()}, read_costs())
+    items[:] = [item for module in order for item in by_module[module]]
+
+
 # --cpu-report N: CPU-seconds per test and tier (tests/helpers/cpu_meter.py); .ci/run prints it beside --durations.
 _CPU_COSTS: list[tuple[str, str, float]] = []  # (nodeid, tier, CPU-seconds) from the teardown reports (xdist's too)
 
@@ -44,6 +58,9 @@ _CPU_COSTS: list[tuple[str, str, float]] = []  # (nodeid, tier, CPU-seconds) fro
 def pytest_addoption(parser):
     parser.addoption("--cpu-report", type=int, default=0, metavar="N",
                      help="print the suite's CPU-seconds, per tier and for the N costliest tests")
+    parser.addoption("--write-module-costs", default=None, metavar="PATH",
+                     help="with --cpu-report: write each module's CPU-seconds to PATH (tests/module_costs.txt "
+                          "orders the suite, tests/helpers/suite_order.py)")
 
 
 _CPU_START = pytest.StashKey[float]()
@@ -81,3 +98,8 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("=", "CPU-seconds, each test's own processes included (tests/helpers/cpu_meter.py)")
         for line in summary(_CPU_COSTS, top):
             terminalreporter.write_line(line)
+        path = config.getoption("--write-module-costs")
+        if path:
+            from tests.helpers.suite_order import module_costs, write_costs
+
+            write_costs(module_costs(_CPU_COSTS), path)

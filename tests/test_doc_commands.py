@@ -18,6 +18,7 @@ made argparse raise instead).
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shlex
@@ -256,12 +257,48 @@ def test_every_doc_command_names_the_venv() -> None:
         "\n".join(bare)
 
 
+VENV_PYTHON = ".venv/bin/python"
+SHELL_SYNTAX = set("|&;<>()$`*?~")
+
+
+def python_argv(command: str) -> list[str] | None:
+    """The arguments after ``.venv/bin/python`` of a command that is only that (no shell syntax), else None."""
+    words = shlex.split(command)
+    if words[:1] != [VENV_PYTHON] or len(words) < 2 or SHELL_SYNTAX & set(command):
+        return None
+    return words[1:]
+
+
 def test_cheap_doc_commands_run_as_pasted(tmp_path) -> None:
+    """From one fresh shell: plain ``.venv/bin/python ...`` commands through tests/helpers/help_runner.py (one
+    interpreter, a fork per command, as for --help), every other command by bash as pasted."""
     commands = [c for c in doc_commands() if COMMANDS.get(c) == RUN]
     assert commands, "no doc command is run"
-    failed = [f"$ {c}\n(exit {rc})\n{out[-1500:]}" for c, (rc, out) in zip(commands, run_in_fresh_shell(
-        commands, tmp_path)) if rc != 0 or not out.strip()]
+    forked = [c for c in commands if python_argv(c) is not None]
+    shell = [c for c in commands if c not in forked]
+    assert forked and shell, (forked, shell)  # both paths stay exercised
+    (tmp_path / "py").mkdir()
+    (tmp_path / "argv").write_text("".join(json.dumps(python_argv(c)) + "\n" for c in forked))
+    runner = (f"{VENV_PYTHON} tests/helpers/help_runner.py {shlex.quote(str(tmp_path / 'py'))} --argv "
+              f"{shlex.quote(str(tmp_path / 'argv'))}")
+    ran = run_in_fresh_shell([runner, *shell], tmp_path)
+    assert ran[0][0] == 0, f"tests/helpers/help_runner.py failed:\n{ran[0][1][-1500:]}"
+    results = [(int((tmp_path / "py" / f"{i}.rc").read_text()), (tmp_path / "py" / str(i)).read_text(
+        errors="replace")) for i in range(len(forked))] + ran[1:]
+    failed = [f"$ {c}\n(exit {rc})\n{out[-1500:]}" for c, (rc, out) in zip(forked + shell, results)
+              if rc != 0 or not out.strip()]
     assert not failed, "doc commands that fail in a fresh shell:\n" + "\n".join(failed)
+
+
+@pytest.mark.parametrize("command,argv", [
+    (".venv/bin/python tools/plan_memory.py --tp 2", ["tools/plan_memory.py", "--tp", "2"]),
+    (".venv/bin/python -m bench.run --groups tp", ["-m", "bench.run", "--groups", "tp"]),
+    (".venv/bin/python tools/x.py 2>&1 | tail -3", None),
+    (".venv/bin/torchrun --standalone pretrain_gpt.py", None),
+    ("python tools/x.py", None),
+])
+def test_which_commands_fork(command, argv) -> None:
+    assert python_argv(command) == argv
 
 
 def entry_points() -> list[str]:

@@ -266,8 +266,7 @@ def test_the_blocks_of_a_chunk_are_found_one_way():
 # Files whose subject is the process itself (signals, torchrun restarts, two nodes, CUDA, the entry path's smoke
 # launch): only these start ranks as fresh interpreters (``launch(..., fresh=True)``); every other launch forks its
 # ranks from the test forkserver (``tests/helpers/forked_ranks.py``), as each is still its own process.
-FRESH_LAUNCHERS = {"tests/training/test_restart.py",
-                   "tests/parallel/test_two_nodes.py", "tests/cuda/test_gpu_path.py", "tests/cuda/test_offload_cuda.py",
+FRESH_LAUNCHERS = {"tests/parallel/test_two_nodes.py", "tests/cuda/test_gpu_path.py", "tests/cuda/test_offload_cuda.py",
                    "tests/test_pretrain.py"}
 
 

@@ -29,13 +29,20 @@ from megazero.checkpoint import storage
 from megazero.config import Config
 from megazero.training.run import find_checkpoint, validate
 from megazero.parallel.state import free_port
-from tests.helpers.launch import ROOT, launch
+from tests.helpers.launch import ROOT, launch, small_corpus_args
 
 GUARD = 300  # seconds: a hang guard for the subprocesses, not a timing assertion
 ITERS = 30  # long enough that the kill (at a checkpoint >= 4) lands well before the end
 TRAIN = ["--arch", "gpt2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--log-interval", "1",
          "--lr", "1e-3", "--lr-warmup-iters", "2", "--zero", "1", "--train-iters", str(ITERS), "--save-interval", "2"]
+
+
+def _train() -> list[str]:
+    """TRAIN on the small-vocabulary corpus (tests/helpers/launch.py): the subject is the restart, not the data."""
+    return [*small_corpus_args(), *TRAIN]
+
+
 FRESH = "holds no checkpoint yet; starting from scratch"
 LOADING = re.compile(r"megazero: loading checkpoint \S+ \(iteration (\d+)\)")
 
@@ -179,7 +186,7 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("restart")
     ref_dir, env = tmp / "reference", _fake_slurm(tmp, "localhost", 0, SLURM_JOB_NODELIST="localhost")
     ref = subprocess.run(["bash", os.path.join(ROOT, "tools/launch_slurm.sh"), "--nproc-per-node", "2",
-                          "--max-restarts", "1", "--port", str(free_port()), *TRAIN, "--save", str(ref_dir),
+                          "--max-restarts", "1", "--port", str(free_port()), *_train(), "--save", str(ref_dir),
                           "--load", str(ref_dir), "--metrics-file", str(ref_dir / "m.jsonl")],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=GUARD)
     assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
@@ -211,7 +218,7 @@ def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path, referen
         env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with open(run_dir / "out.txt", "w") as out:
         agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *RENDEZVOUS[rdzv](),
-                                  "--nproc_per_node", "2", "--max-restarts", "1", "pretrain_gpt.py", *TRAIN,
+                                  "--nproc_per_node", "2", "--max-restarts", "1", "pretrain_gpt.py", *_train(),
                                   "--distributed-timeout-minutes", "1",
                                   "--save", str(run_dir), "--load", str(run_dir),
                                   "--metrics-file", str(run_dir / "m.jsonl")],
@@ -278,7 +285,7 @@ def test_a_restart_never_reads_the_dead_attempts_keys(tmp_path):
     for attempt, late in enumerate((-1, 1, 0)):
         env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_PORT": str(agent.port),
                "TORCHELASTIC_RUN_ID": "staged", "TORCHELASTIC_RESTART_COUNT": str(attempt)}
-        for rank, r in enumerate(launch(str(script), [str(late)], 2, timeout=GUARD, env=env, fresh=True)):
+        for rank, r in enumerate(launch(str(script), [str(late)], 2, timeout=GUARD, env=env)):
             assert (r.returncode, r.stdout) == (0, "sum 3\n"), (attempt, rank, r.stderr[-3000:])
 
 
@@ -307,8 +314,7 @@ run_then_exit(main)
 def test_distributed_timeout_reaches_every_group(tmp_path):
     script = tmp_path / "timeouts.py"
     script.write_text(TIMEOUTS)
-    results = launch(str(script), ["--tp", "2", "--distributed-timeout-minutes", "0.75"], 2, timeout=GUARD,
-                     fresh=True)
+    results = launch(str(script), ["--tp", "2", "--distributed-timeout-minutes", "0.75"], 2, timeout=GUARD)
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
         seen = dict(line.split() for line in r.stdout.splitlines())

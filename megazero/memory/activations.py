@@ -49,7 +49,8 @@ With --multi-latent-attention the qkv, RoPE, core and head-norm terms are MLA's 
 Per stage: the first adds token ids (s b 8; at tp = cp = 1 a view of the [b, s + 1]
 micro-batch, b 8 more; + s b for the TP>1 mask) and an embedding-dropout mask; the last
 adds the final norm, the head's input ``s b h e / r`` (SP: the local shard, as the linear
-inputs) and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus targets (s b 9).
+inputs) and the cross entropy's fp32 softmax ``s b V_pad / t x 4`` plus targets (s b 9); with
+``--mtp-num-layers D`` also D MTP depths (``mtp_terms``: a block each, their inputs, D more heads).
 With ``--cross-entropy-chunk-size c`` the fused head keeps instead the gradients it computed
 in forward: dh ``s b h e / r`` and an fp32 dW ``V_pad / t x h x 4``; its logits are a
 transient of c tokens (``head_working_bytes``), not of s b.
@@ -264,6 +265,29 @@ def last_stage_terms(cfg: ModelConfig, a: ActivationSpec) -> dict[str, int]:
             "softmax_fp32": sb * rows * 4, "targets": sb * 9}
 
 
+def mtp_terms(cfg: ModelConfig, a: ActivationSpec, blocks_before: int = 0,
+              recompute_num_layers: int | None = None) -> dict[str, int]:
+    """What the D multi-token-prediction depths (``model/mtp.py``) keep on the last stage per micro-batch.
+
+    Per depth: its block as a main layer at this recompute mode (full recompute checkpoints it when the chunk's
+    first ``recompute_num_layers`` blocks reach it, the ``blocks_before`` main blocks first), the shifted token
+    ids (s b 8, + s b for the TP>1 mask), enorm and hnorm (RMSNorm; in fp32 hnorm's input is the tensor the
+    previous final norm keeps, counted once), eh_proj's input [s, b, 2h] (SP: the local shard), and one more
+    head as ``last_stage_terms`` counts the main one, plus its fp32 target mask (s b 4)."""
+    if not cfg.mtp_depth:
+        return {}
+    sb, h, e, r = a.tokens * a.micro_batch_size, cfg.hidden_size, a.dtype_bytes, a.shard
+    plain = ActivationSpec(**{**a.__dict__, "recompute": "none"})
+    blocks = 0
+    for k in range(1, cfg.mtp_depth + 1):
+        kept = a.recompute == "full" and recompute_num_layers is not None and recompute_num_layers < blocks_before + k
+        blocks += sum(layer_terms(cfg, plain if kept else a).values())
+    shared_input = sb * h * 4 // r if e == 4 else 0
+    inputs = sb * 8 + (sb if a.tp > 1 else 0) + 2 * _norm_bytes(cfg, a) - shared_input + 2 * sb * h * e // r
+    heads = sum(last_stage_terms(cfg, a).values()) + sb * 4
+    return {"mtp_blocks": blocks, "mtp_inputs": cfg.mtp_depth * inputs, "mtp_heads": cfg.mtp_depth * heads}
+
+
 def head_working_bytes(cfg: ModelConfig, a: ActivationSpec) -> int:
     """Transient of the head and loss on the last stage, beyond what ``last_stage_terms`` keeps.
 
@@ -299,8 +323,9 @@ def chunk_activation_bytes(cfg: ModelConfig, a: ActivationSpec, num_blocks: int,
         total = (num_blocks - kept) * per_layer + kept * sum(layer_terms(cfg, plain).values())
     if pre_process:
         total += sum(first_stage_terms(cfg, a).values())
-    if post_process:
+    if post_process:  # the head, and the MTP depths after the chunk's blocks
         total += sum(last_stage_terms(cfg, a).values())
+        total += sum(mtp_terms(cfg, a, num_blocks, recompute_num_layers).values())
     return total
 
 

@@ -30,6 +30,7 @@ from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chu
 from .moe_plan import ExpertStage, add_experts, expert_stage, expert_words, moe_lines
 from .muon_plan import muon_lines, ns_workspace_bytes, optimizer_state_bytes, with_one_moment
 from .muon_traffic import muon_step_bytes
+from .mtp_plan import mtp_expert_activation_bytes
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -214,9 +215,11 @@ def _stage(spec: PlanSpec, stage: int) -> StagePlan:
     per_chunk_forward = chunk_activation_bytes(cfg, a, blocks, False, False, spec.cfg.training.recompute_num_layers)
     with_extras = -(-in_flight // run.virtual_stages)  # chunk-forwards of the chunk holding the embedding or head
     activations = in_flight * per_chunk_forward + moe.activations_bytes
-    for pre, post, _ in chunks:
-        extras = chunk_activation_bytes(cfg, a, 0, pre, post) if (pre or post) else 0
+    for pre, post, _ in chunks:  # the last chunk's MTP blocks follow its blocks (full recompute's first N)
+        extras = chunk_activation_bytes(cfg, a, blocks, pre, post, spec.cfg.training.recompute_num_layers) \
+            - per_chunk_forward if (pre or post) else 0
         activations += with_extras * extras
+        activations += with_extras * mtp_expert_activation_bytes(spec.cfg, run, a, blocks) if post else 0
     # the logits (all of them, or one chunk with --cross-entropy-chunk-size) and their fp32 copy
     transient = max(recompute_working_bytes(cfg, a) + cp_working_bytes(cfg, a) + moe.transient_bytes,
                     head_working_bytes(cfg, a) if last else 0)

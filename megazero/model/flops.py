@@ -41,6 +41,14 @@ the share of the causal pairs the document mask leaves: sum over documents of
 L_d (L_d + 1) / 2 over S (S + 1) / 2 (``model.documents.attended_share``). A
 causal kernel and the per-document kernels skip the same way, so the ratio is what
 the mask saves; without the flag the formula above is used unchanged.
+
+Multi-token prediction (``--mtp-num-layers D``, ``mtp.py``) adds per depth k, per token, in the forward: its block
+(global layer ``num_layers + k - 1``: dense or MoE by ``is_moe_layer``, MLA or not, as a main layer), the
+eh_proj 2 * 2h * h, and one more output head 2 * h * V. Recompute treats the MTP blocks as the chunk's last
+blocks, as ``training/parallelize.py`` does (``apply_recompute(blocks_of(chunk))`` finds them after the main
+layers): ``selective`` re-runs their attention cores too; ``full`` re-runs their block forwards when the first
+N blocks reach them (N None: all of them, the main layers' and the D MTP blocks'; eh_proj and the head are
+outside the checkpoint and never re-run). D = 0 leaves the figure bitwise as before.
 """
 from __future__ import annotations
 
@@ -91,12 +99,17 @@ def flops_per_token(cfg: ModelConfig, recompute: str = "none", recompute_num_lay
     """
     vocab = cfg.vocab_size if vocab_size is None else vocab_size
     assert vocab is not None
-    layers = [layer_forward_flops(cfg, attended_share, layer_id) for layer_id in range(cfg.num_layers)]
+    # the main layers, then the MTP blocks (the order recompute's "first N blocks" counts them in)
+    layers = [layer_forward_flops(cfg, attended_share, layer_id)
+              for layer_id in range(cfg.num_layers + cfg.mtp_depth)]
     head = 2.0 * cfg.hidden_size * vocab
-    forward = sum(layer for layer, _ in layers) + head
+    forward = sum(layer for layer, _ in layers[:cfg.num_layers]) + head
+    if cfg.mtp_depth:  # per depth its block, the 2h -> h eh_proj and the shared head once more
+        forward += sum(layer for layer, _ in layers[cfg.num_layers:]) + cfg.mtp_depth * (
+            2.0 * 2 * cfg.hidden_size * cfg.hidden_size + head)
     extra = 0.0
-    if recompute == "full":  # the first N layers' forward again (their MLPs may differ: dense or MoE)
-        extra = sum(layer for layer, _ in layers[:recompute_num_layers or cfg.num_layers])
+    if recompute == "full":  # the first N blocks' forward again (their MLPs may differ: dense or MoE)
+        extra = sum(layer for layer, _ in layers[:recompute_num_layers or len(layers)])
     elif recompute == "selective":
         extra = sum(core for _, core in layers)
     return 3.0 * forward + extra

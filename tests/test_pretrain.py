@@ -38,6 +38,19 @@ def test_losses_match_across_layouts(tmp_path, arch):
     assert serial[-1] < serial[0], "loss should fall over 10 iterations"
 
 
+def test_a_run_without_compile_never_imports_dynamo(tmp_path):
+    """``torch._dynamo`` is ~1.5 of a rank's ~4 CPU-seconds of imports: only --compile may pull it in (a
+    ``torch.compiler.disable`` at import time did, in every rank of every run). The interpreter's import log
+    (PYTHONPROFILEIMPORTTIME) of a fresh rank that trains, evaluates and saves names every module it loaded."""
+    flags = [*SMALL[:-8], "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+             "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
+    (rank,) = launch("pretrain_gpt.py", flags, 1, env={"PYTHONPROFILEIMPORTTIME": "1"}, **SMOKE)
+    assert rank.returncode == 0, rank.stderr[-2000:]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in rank.stderr.splitlines() if line.startswith("import time:")]
+    assert "megazero.training.run" in imported and "torch.nn" in imported  # the log is there
+    assert not [m for m in imported if m.startswith("torch._dynamo")], "a plain run imported torch._dynamo"
+
+
 BAD_INPUT = [
     # (ranks, flags, words the single error line must contain)
     (2, ["--tp", "2", "--num-attention-heads", "3", "--hidden-size", "48"], ["--num-attention-heads", "--tp"]),

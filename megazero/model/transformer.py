@@ -26,6 +26,7 @@ from ..context_parallel.doc_blocks import Bounds
 from ..context_parallel.logit_max import LogitMax
 from ..moe.context import ExpertContext
 from ..moe.layer import MoELayer
+from ..parallel.collectives import CommLedger
 from ..parallel.state import group_size
 from ..tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, scaled_init_std, set_spec
 from ..tensor_parallel.random import DropoutRNG, stream_name
@@ -247,6 +248,7 @@ EAGER: dict[str, Callable] = {}
 def make_eager_sites() -> None:
     """Fill ``EAGER`` (once per process) before a block's body is compiled."""
     if not EAGER:
+        CommLedger.keep_out_of_compile()
         EAGER.update(attend=torch.compiler.disable(Attention.attend, recursive=True),
                      dropout=torch.compiler.disable(TransformerBlock._dropout, recursive=True),
                      mlp=torch.compiler.disable(TransformerBlock._mlp, recursive=True))

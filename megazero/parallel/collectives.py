@@ -64,12 +64,22 @@ class CommLedger:
         if group is not None:
             _OWNER[group] = (self, name)
 
-    @torch.compiler.disable  # run as is under --compile: traced, its counts became guards and each step recompiled
     def add(self, kind: str, axis: str, nbytes: float) -> None:
         if self.enabled:
             key = (kind, axis)
             self.bytes[key] += int(round(nbytes))
             self.calls[key] += 1
+
+    @classmethod
+    def keep_out_of_compile(cls) -> None:
+        """Run ``add`` as is under --compile (traced, its counts became guards and each step recompiled).
+
+        Called before a block is compiled, not at import: ``torch.compiler.disable`` imports
+        torch._dynamo (~1.5 CPU-s per process), which a run without --compile never needs.
+        """
+        if not getattr(cls.add, "_kept_eager", False):
+            cls.add = torch.compiler.disable(cls.add)  # type: ignore[method-assign]
+            cls.add._kept_eager = True  # type: ignore[attr-defined]
 
     def take(self) -> dict[str, int]:
         """Bytes sent since the last call, as {"kind/axis": bytes}; resets the counts."""

@@ -10,7 +10,8 @@ from the current folder would run it (the folder first on sys.path). Its stdout 
 to OUT_DIR/<i>, its exit code to OUT_DIR/<i>.rc; a child still running after ``LIMIT_S`` (a script
 that ignores --help and starts working) is killed by SIGALRM and reports -14. Forking after
 ``import torch`` is safe here: nothing has started a thread. ``torch._dynamo`` and megazero's entry modules
-are imported here too (every entry point reaches them; ~1.3 CPU-seconds a child would otherwise pay again).
+are imported here too (the entry points reach megazero, and the planner's and --compile's ones dynamo; ~1.3
+CPU-seconds a child would otherwise pay again).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import sys
 import traceback
 
 import torch  # noqa: F401  (imported once, shared by every child)
-import torch._dynamo  # noqa: F401  (megazero.parallel.collectives reaches it through torch.compiler.disable)
+import torch._dynamo  # noqa: F401  (the planner's meta-device builds and --compile reach it)
 
 import megazero.arguments  # noqa: F401
 import megazero.training.run  # noqa: F401

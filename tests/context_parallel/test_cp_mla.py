@@ -3,7 +3,7 @@
 MLA's core pads v to the query/key width (or q, k to a wider v), so the CP forms take it unchanged; this
 proves it in one spawned 4-rank world, fp32:
 
-- training, 5 iterations through the real build, schedule and ``Trainer``: cp 2 with the ring (p2p, dp 2),
+- training, 5 iterations (``MEGAZERO_PARITY_ITERS`` sets them) through the real build, schedule and ``Trainer``: cp 2 with the ring (p2p, dp 2),
   cp 2 all-to-all (dp 2), cp 4 hybrid (a2a 2 x ring 2), and cp 2 ring on packed documents (all three
   packing flags, documents straddling the CP chunks) without q LoRA and with a value head wider than the
   query/key head, and tp 2 x cp 2 with sequence parallelism (the shared RoPE key gathered over TP
@@ -35,9 +35,9 @@ from tests.helpers.compare import full_parameters, full_params, rel_err
 from tests.helpers.cp_runs import serial_config
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import build
-from tests.helpers.tiny_config import degrees, tiny_config
+from tests.helpers.tiny_config import degrees, parity_iters, tiny_config
 
-WORLD, ITERS, TOL = 4, 5, 1e-5
+WORLD, ITERS, TOL = 4, parity_iters(), 1e-5
 
 
 def mla_cfg(cp: int, comm: str = "p2p", a2a: int | None = None, **flat: Any) -> Config:

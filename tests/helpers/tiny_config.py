@@ -6,6 +6,7 @@ what all of them share - CPU, fp32, a metrics record every iteration, a constant
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from megazero.config import Config, LoggingConfig, ModelConfig, OptimizerConfig, TrainingConfig
@@ -33,6 +34,12 @@ SHORT_PARALLEL = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parall
 def tiny_config(**flat: Any) -> Config:
     """The base with these flat settings (``pretrain_gpt.py`` flag names, underscored) changed."""
     return BASE.updated(**flat)
+
+
+def parity_iters(default: int = 5) -> int:
+    """Iterations of the MLA / MTP parity runs: ``default`` in the suite, ``MEGAZERO_PARITY_ITERS=20`` for the
+    issue's 20 (the same tables, about 3x the CPU; docs/models.md records such a run)."""
+    return int(os.environ.get("MEGAZERO_PARITY_ITERS", default))
 
 
 def degrees(**short: Any) -> dict[str, Any]:

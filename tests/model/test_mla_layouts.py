@@ -13,7 +13,7 @@ The MoE variant is DeepSeek's: sigmoid scores, group-limited top-k, the routed s
 (aux-loss-free balancing), the sequence aux loss, a shared expert and a dense first layer. Each world size
 trains all its layouts in one spawned world (``run_layouts``, as tests/helpers/moe_runs.py's ``run_many``: the
 real build, schedule, ZeRO optimizer and ``Trainer``); the one-process references run once per distinct model
-config. ITERS is 5, as tests/model/test_mla.py's and tests/context_parallel/test_cp_mla.py's parity runs (the
+config. ITERS is 5 (``MEGAZERO_PARITY_ITERS`` sets it), as tests/context_parallel/test_cp_mla.py's parity runs (the
 same table passed at 20 when this file was written: 103 CPU-seconds against 35).
 
 LAYOUTS is the one table: ``EXTRA`` is merged into every layout's config (and the micro-batch and --compile
@@ -38,9 +38,9 @@ from tests.helpers.dist import spawn
 from tests.helpers.moe_runs import MoERun, serial_config, state_for
 from tests.helpers.optimizer_harness import train
 from tests.helpers.session_cache import cached
-from tests.helpers.tiny_config import SHORT_PARALLEL, degrees, tiny_config
+from tests.helpers.tiny_config import SHORT_PARALLEL, degrees, parity_iters, tiny_config
 
-ITERS, TOL = 5, 1e-5
+ITERS, TOL = parity_iters(), 1e-5
 MLA = dict(arch="llama", multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
            qk_pos_emb_head_dim=4, v_head_dim=6)
 DEEPSEEK_MOE = dict(num_experts=4, moe_router_topk=2, moe_router_score_function="sigmoid", moe_router_num_groups=2,

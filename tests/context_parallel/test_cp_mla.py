@@ -3,12 +3,13 @@
 MLA's core pads v to the query/key width (or q, k to a wider v), so the CP forms take it unchanged; this
 proves it in one spawned 4-rank world, fp32:
 
-- training, 5 iterations (``MEGAZERO_PARITY_ITERS`` sets them) through the real build, schedule and ``Trainer``: cp 2 with the ring (p2p, dp 2),
-  cp 2 all-to-all (dp 2), cp 4 hybrid (a2a 2 x ring 2), and cp 2 ring on packed documents (all three
-  packing flags, documents straddling the CP chunks) without q LoRA and with a value head wider than the
-  query/key head, and tp 2 x cp 2 with sequence parallelism (the shared RoPE key gathered over TP
-  inside each CP rank). Per-iteration loss and grad norm within 1e-5 relative of one process, and every final
-  weight within 1e-5 (``rel_err``) of its;
+- training of the model with one MTP depth (DeepSeek-V3's), 5 iterations (``MEGAZERO_PARITY_ITERS`` sets them),
+  through the real build, schedule and ``Trainer``: cp 2 with the ring (p2p, dp 2), cp 2 all-to-all (dp 2), cp 4
+  ring, cp 4 all-to-all, cp 4 hybrid (a2a 2 x ring 2) on synthetic and on packed documents, and cp 2 ring on packed
+  documents (all three packing flags, documents straddling the CP chunks) without q LoRA and with a value head
+  wider than the query/key head, and tp 2 x cp 2 with sequence parallelism (the shared RoPE key gathered over TP
+  inside each CP rank). Per-iteration loss, MTP loss and grad norm within 1e-5 relative of one process, and every
+  final weight (MTP's included) within 1e-5 (``rel_err``) of its;
 - per-parameter gradients of one MLA layer (every weight's and the input's, summed over the CP ranks)
   within 1e-5 of the same layer run whole in the same rank, in each of those layouts' CP groups.
 """
@@ -38,12 +39,13 @@ from tests.helpers.optimizer_harness import build
 from tests.helpers.tiny_config import degrees, parity_iters, tiny_config
 
 WORLD, ITERS, TOL = 4, parity_iters(), 1e-5
+KEYS = ("loss", "grad_norm", "mtp_1_loss")  # one MTP depth, as DeepSeek-V3: its shifted targets cross CP chunks
 
 
 def mla_cfg(cp: int, comm: str = "p2p", a2a: int | None = None, **flat: Any) -> Config:
     """A 2-layer MLA llama (q LoRA 16, latent 8, q/k 8 + 4 RoPE, v 6 unless given), 32 tokens, 2 x 2 samples."""
     mla = dict(arch="llama", multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
-               qk_pos_emb_head_dim=4, v_head_dim=6)
+               qk_pos_emb_head_dim=4, v_head_dim=6, mtp_num_layers=1)
     return tiny_config(**degrees(cp=cp, comm=comm, a2a=a2a), **{**mla, **flat}, seq_length=32, vocab_size=512,
                        micro_batch_size=2, global_batch_size=4, train_iters=ITERS)
 
@@ -51,7 +53,10 @@ def mla_cfg(cp: int, comm: str = "p2p", a2a: int | None = None, **flat: Any) -> 
 RUNS = {  # key: (config, packed documents)
     "cp2.p2p": (mla_cfg(2), False),
     "cp2.a2a": (mla_cfg(2, "a2a"), False),
+    "cp4.p2p": (mla_cfg(4), False),
+    "cp4.a2a": (mla_cfg(4, "a2a"), False),
     "cp4.hybrid": (mla_cfg(4, "a2a+p2p", 2), False),
+    "cp4.hybrid.documents": (mla_cfg(4, "a2a+p2p", 2), True),
     "cp2.p2p.documents.no_q_lora.wide_v": (mla_cfg(2, q_lora_rank=None, v_head_dim=16), True),
     "tp2.cp2.sp": (mla_cfg(2, **degrees(tp=2, sp=True)), False),
 }
@@ -66,7 +71,7 @@ def train_run(pstate: ParallelState, cfg: Config, packed: bool) -> dict[str, Any
     records = Trainer(cfg, pstate, model, schedule, batches, MetricsLog(None, enabled=False)).train()
     with full_parameters(model):
         params = {k: v.float() for chunk in model.chunks for k, v in full_params(chunk, pstate.tp_group).items()}
-    return {"records": [(r["loss"], r["grad_norm"]) for r in records], "params": params}
+    return {"records": [tuple(r[k] for k in KEYS) for r in records], "params": params}
 
 
 def layer_grad_errors(pstate: ParallelState, cfg: Config, packed: bool) -> dict[str, float]:
@@ -130,7 +135,7 @@ def test_mla_under_every_cp_form_trains_what_one_process_trains():
         for rank, per_run in enumerate(world):
             got = per_run[key]
             for i, (step, want) in enumerate(zip(got["records"], serial["records"], strict=True)):
-                for what, g, w in zip(("loss", "grad_norm"), step, want):
+                for what, g, w in zip(KEYS, step, want):
                     if not abs(g - w) <= TOL * abs(w):
                         bad.append(f"{key} rank {rank} {what}[{i}]: {g} vs {w}")
             assert got["params"].keys() == serial["params"].keys(), key

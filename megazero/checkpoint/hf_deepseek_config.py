@@ -18,7 +18,6 @@ to hold what megazero computes; anything else is refused in one line naming the 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from typing import Any, Iterable
 
 from ..config import ModelConfig
@@ -49,11 +48,6 @@ YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_sl
 
 def _get(config: dict[str, Any], key: str) -> Any:
     return config[key] if key in config else DEFAULTS[key]
-
-
-def has_mtp_field() -> bool:
-    """Whether megazero's model config has multi-token prediction (--mtp-num-layers)."""
-    return "mtp_num_layers" in {f.name for f in fields(ModelConfig)}
 
 
 def mtp_layers_in(config: dict[str, Any], weights: Iterable[str] | None) -> int:
@@ -87,10 +81,6 @@ def deepseek_settings(config: dict[str, Any], problems: list[str],
     problems += [why for bad, why in checks if bad]
     _check_quantization(config.get("quantization_config"), problems)
     depth = mtp_layers_in(config, weights)
-    if depth and not has_mtp_field():
-        problems.append(f"num_nextn_predict_layers={depth} with its MTP layer model.layers.{layers} in the weights "
-                        "(megazero has no multi-token prediction to take it: converting would drop it)")
-        depth = 0
     moe = _moe_settings(config, layers, depth, problems)
     return dict(arch="llama", multi_latent_attention=True, num_layers=layers, hidden_size=config["hidden_size"],
                 num_attention_heads=heads, ffn_hidden_size=_get(config, "intermediate_size"),

@@ -216,7 +216,6 @@ def mtp_state(cfg: ModelConfig, seed: int) -> dict:
     return state
 
 
-@pytest.mark.skipif(not hasattr(ModelConfig, "mtp_depth"), reason="megazero has no --mtp-num-layers")
 def test_mtp_layer_round_trips_bitwise_through_the_files(tmp_path):
     """A dense V2-Lite-shaped model with one MTP module: exported as hub layer num_hidden_layers (with its embedding
     and head copies, first_k_dense_replace past it), read back bitwise from the safetensors file (transformers drops

@@ -130,17 +130,14 @@ def test_a_tensor_left_unread_or_an_fp8_weight_without_scales_fails_naming_it(tm
         from_hf({**state, name: state[name].to(torch.float8_e4m3fn)}, cfg, cfg.padded_vocab_size(1))
 
 
-def test_an_mtp_layer_is_refused_while_megazero_has_no_mtp(monkeypatch):
-    from megazero.checkpoint import hf_deepseek_config
-
-    monkeypatch.setattr(hf_deepseek_config, "has_mtp_field", lambda: False)
-    with pytest.raises(ValueError, match=r"num_nextn_predict_layers=1 with its MTP layer model.layers.2 in the weights "
-                                         r"\(megazero has no multi-token prediction") as err:
-        model_config_from_hf(hf_dict("v2_lite", num_nextn_predict_layers=1, first_k_dense_replace=3),
-                             weights=["model.layers.2.eh_proj.weight"])
-    assert "\n" not in str(err.value)
-    # transformers writes num_nextn_predict_layers 1 and saves no MTP layer: nothing to drop, the model imports
-    assert model_config_from_hf(hf_dict("v2_lite", num_nextn_predict_layers=1), weights=["lm_head.weight"])
+def test_a_config_naming_mtp_layers_the_weights_lack_imports_without_mtp():
+    """transformers writes num_nextn_predict_layers 1 and saves no MTP layer: nothing to drop, the model imports
+    with D = 0 (the weights, not the config, say whether the layer is there)."""
+    cfg = model_config_from_hf(hf_dict("v2_lite", num_nextn_predict_layers=1), weights=["lm_head.weight"])
+    assert cfg.mtp_depth == 0
+    with_layer = model_config_from_hf(hf_dict("v2_lite", num_nextn_predict_layers=1),
+                                      weights=["lm_head.weight", "model.layers.2.eh_proj.weight"])
+    assert with_layer.mtp_depth == 1
 
 
 def test_the_tool_refuses_an_unrepresentable_field_in_one_line_before_writing(tmp_path, capsys):

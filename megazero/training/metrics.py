@@ -114,5 +114,8 @@ def format_moe(r: dict[str, Any]) -> str:
 
 
 def format_eval(r: dict[str, Any]) -> str:
-    return (f"validation loss at iteration {r['iteration']} | lm loss value: {r['val_loss']:.6E} | "
-            f"lm loss PPL: {r['val_ppl']:.6E}")
+    """Megatron's validation line; with MTP, each depth's loss after the LM's (``val_mtp_<k>_loss``)."""
+    depths = sum(1 for key in r if key.startswith("val_") and _is_mtp(key[len("val_"):]))
+    return " | ".join([f"validation loss at iteration {r['iteration']}", f"lm loss value: {r['val_loss']:.6E}",
+                       f"lm loss PPL: {r['val_ppl']:.6E}",
+                       *[f"mtp {k} loss value: {r[f'val_mtp_{k}_loss']:.6E}" for k in range(1, depths + 1)]])

@@ -25,7 +25,8 @@ train: $(STAMP)
 		--save runs/tiny/checkpoints
 
 # test: everything. test-quick: the tests that start no process of their own (tests/helpers/tiers.py marks each
-# test by what it uses), for before each commit. Both run TEST_WORKERS pytest processes (pytest-xdist; auto = one
+# test by what it uses), less the modules over 20 CPU-seconds (``heavy``, tests/helpers/suite_order.py), for
+# before each commit. Both run TEST_WORKERS pytest processes (pytest-xdist; auto = one
 # per core), which steal tests from each other at the end. PYTEST_ARGS adds pytest flags (.ci/run: timings).
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist worksteal
@@ -34,7 +35,7 @@ test: $(STAMP)
 	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest tests -q -m "not launch" $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -m "not launch and not heavy" $(XDIST) $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle, bugbear; settings in pyproject.toml) on everything, and mypy on megazero/ against
 # the committed baseline .ci/mypy-baseline.txt, which may only shrink (.ci/type_baseline.py says how).

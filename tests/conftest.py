@@ -39,15 +39,21 @@ def _mark_tiers(items):
 
 
 def _costliest_modules_first(items):
-    """Reorder in place: modules by CPU cost, highest first, each keeping its own order (``suite_order.py``)."""
+    """Reorder in place: modules by CPU cost, highest first, each keeping its own order (``suite_order.py``);
+    mark ``heavy`` the modules above ``HEAVY_CPU_S`` (left out of ``make test-quick``)."""
     from tests.helpers.cpu_meter import tier
-    from tests.helpers.suite_order import costliest_first, read_costs
+    from tests.helpers.suite_order import HEAVY_CPU_S, costliest_first, module_cost, read_costs
 
     by_module: dict[str, list] = {}
     for item in items:
         by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
     tiers = {m: tier(tests[0].keywords) for m, tests in by_module.items()}
-    order = costliest_first(list(by_module), tiers, {m: len(t) for m, t in by_module.items()}, read_costs())
+    counts, costs = {m: len(t) for m, t in by_module.items()}, read_costs()
+    for module, tests in by_module.items():
+        if module_cost(module, tiers[module], counts[module], costs) > HEAVY_CPU_S:
+            for item in tests:
+                item.add_marker(pytest.mark.heavy)
+    order = costliest_first(list(by_module), tiers, counts, costs)
     items[:] = [item for module in order for item in by_module[module]]
 
 

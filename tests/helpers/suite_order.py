@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from pathlib import Path
 
-COSTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "module_costs.txt")
+ROOT_DIR = Path(__file__).resolve().parents[2]
+COSTS_FILE = str(ROOT_DIR / "tests" / "module_costs.txt")
 # CPU-seconds per test of a module the costs file does not list yet, by tier (the suite's means, 2026-12-02)
 PER_TEST = {"launch": 1.1, "spawn": 2.4, "in-process": 0.1}
+# A module above this many CPU-seconds is marked ``heavy``: ``make test-quick`` leaves it out with the launches,
+# so the quick tier (in-process tests and the cheaper spawned worlds) fits in ~4 minutes on 2 cores.
+HEAVY_CPU_S = 20.0
 
 
 def read_costs(path: str = COSTS_FILE) -> dict[str, float]:
@@ -44,10 +49,13 @@ def write_costs(costs: dict[str, float], path: str) -> None:
                 "order (tests/helpers/suite_order.py)\n" + "\n".join(lines) + "\n")
 
 
+def module_cost(module: str, tier: str, count: int, costs: dict[str, float]) -> float:
+    """``module``'s CPU-seconds from the costs file, or its tier's mean per test x its test count."""
+    return costs.get(module, PER_TEST[tier] * count)
+
+
 def costliest_first(modules: list[str], tiers: dict[str, str], counts: dict[str, int],
                     costs: dict[str, float]) -> list[str]:
     """``modules`` by cost, highest first (ties: collection order); unknown ones by tier x test count."""
-    def cost(module: str) -> float:
-        return costs.get(module, PER_TEST[tiers[module]] * counts[module])
-
-    return sorted(modules, key=lambda m: -cost(m))  # sorted is stable: equal costs keep their order
+    # sorted is stable: equal costs keep their order
+    return sorted(modules, key=lambda m: -module_cost(m, tiers[m], counts[m], costs))

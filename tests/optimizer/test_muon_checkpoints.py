@@ -6,15 +6,18 @@ of 2 ranks walks three chains, each segment training 2 iterations from the previ
 its own (``tests/helpers/resume.py``'s ``segment``); this process then resumes each chain's last checkpoint:
 
 - llama (GQA, Muon lr 0.02, AdamW lr 1e-3 for the rest): dp 2 ZeRO 1 -> dp 2 ZeRO 1 -> tp 2 (SP) -> dp 2 ZeRO 2
-  -> pp 2 -> dp 2 ZeRO 0 -> cp 2 (ZeRO 1) -> dp 2 ZeRO 2 -> one process;
+  -> dp 2 ZeRO 3 -> pp 2 -> dp 2 ZeRO 0 -> cp 2 (ZeRO 1) -> dp 2 ZeRO 2 -> one process;
 - the llama as a MoE model (E 4, top 2): ep 2 (ZeRO 1) -> ep 1 x dp 2 (ZeRO 2) -> ep 2 (ZeRO 0) -> one process;
 - gpt2 (tied embeddings): one process -> pp 2 (ZeRO 1) -> tp 2 (SP, ZeRO 2) -> dp 2 (ZeRO 0) -> one process.
 
 Every resumed segment's loss and grad norm per iteration lie within 1e-5 relative of the uninterrupted one-process
-run; the same-layout resume repeats the uninterrupted dp 2 ZeRO 1 run bitwise (records and weights). The dp 2 ZeRO 1
-checkpoint, loaded and saved at once at tp 2, pp 2 and cp 2, holds bitwise the same full-shape weights, master and
-momentum (read from the files); one matrix's saved momentum equals the one-process checkpoint's at that iteration.
-That is 18 save/load pairs.
+run; the same-layout resume repeats the uninterrupted dp 2 ZeRO 1 run bitwise (records and weights). ROUND_TRIPS
+load a chain's checkpoint and save it again at once at another layout: dp 2 ZeRO 1 at tp 2, pp 2, cp 2, dp 2 ZeRO 3
+and ZeRO 3 with the state in host memory (--offload-optimizer cpu); the ZeRO 3 one at ZeRO 1; the MoE ep 1 one at
+ep 2 and the ep 2 one at ep 1 (ZeRO 3). Each holds bitwise the loaded checkpoint's full-shape weights, master and
+momentum (the experts' too; read from the files). One matrix's saved momentum equals the one-process checkpoint's
+at that iteration. That is 24 save/load pairs: 16 resumes (15 segments that load, 3 chains' one-process ends;
+within 1e-5, one bitwise) and 8 bitwise round trips.
 """
 from __future__ import annotations
 
@@ -50,8 +53,16 @@ CHAINS: dict[str, tuple[str, bool, list[tuple[str, dict]]]] = {
         ("gpt2.dp2.z0", dict(zero=0))]),
 }
 FROM_ONE_PROCESS = {"gpt2"}
-ROUND_TRIPS = {"dp2.z1.to.tp2": dict(tp=2, sp=True), "dp2.z1.to.pp2": dict(pp=2),
-               "dp2.z1.to.cp2": dict(context_parallel_size=2, zero=2)}
+# a round trip: the checkpoint it loads (a chain segment's), the model (MoE?) and the layout that saves it again at once
+ROUND_TRIPS: dict[str, tuple[str, bool, dict]] = {
+    "dp2.z1.to.tp2": ("dp2.z1", False, dict(tp=2, sp=True)), "dp2.z1.to.pp2": ("dp2.z1", False, dict(pp=2)),
+    "dp2.z1.to.cp2": ("dp2.z1", False, dict(context_parallel_size=2, zero=2)),
+    "dp2.z1.to.z3": ("dp2.z1", False, dict(zero=3)),
+    "dp2.z1.to.z3.cpu": ("dp2.z1", False, dict(zero=3, offload_optimizer="cpu")),  # the state in host memory
+    "dp2.z3.to.z1": ("dp2.z3", False, dict(zero=1)),  # the chain's ZeRO 3 save, trained at ZeRO 3
+    "moe.ep1.to.ep2": ("ep1.dp2.z2", True, dict(expert_model_parallel_size=2, zero=1)),
+    "moe.ep2.to.ep1": ("ep2.z1", True, dict(zero=3)),
+}
 SAME = "dp2.z1.same"  # resumed at the layout that saved it
 MATRIX = "layers.0.mlp.fc1.weight"  # a Muon matrix (the llama MLP's up projection)
 
@@ -85,9 +96,9 @@ def world(pstate: ParallelState, ck: str) -> dict[str, Any]:
     states: dict = {}
     out: dict[str, Any] = {kind: chain(pstate, ck, kind, states) for kind in CHAINS}
     out["straight"] = segment(pstate, cfg(2 * STEP, zero=1))  # the dp 2 ZeRO 1 run that never stopped
-    for name, layout in ROUND_TRIPS.items():
-        c = cfg(STEP, **layout)
-        round_trip(_state(pstate, c, states), c, f"{ck}/dp2.z1", f"{ck}/{name}")
+    for name, (origin, moe, layout) in ROUND_TRIPS.items():
+        c = cfg(STEP, moe=moe, **layout)
+        round_trip(_state(pstate, c, states), c, f"{ck}/{origin}", f"{ck}/{name}")
     return out
 
 
@@ -169,17 +180,33 @@ def test_each_checkpoint_records_the_layout_that_saved_it(runs):
             assert any(".experts." in k for k in got) == moe, name
 
 
+def _saved(contents: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in contents.items() if k.startswith(("model/", "optim/"))}
+
+
 def test_momentum_is_saved_by_full_shape_whatever_the_layout(runs):
     ck = runs["ck"]
     origin = full_contents(f"{ck}/dp2.z1")
     momentum = origin[f"optim/{MATRIX}/exp_avg"]
     assert momentum.shape == origin[f"model/{MATRIX}"].shape and not momentum.isnan().any()
     assert momentum.abs().sum() > 0 and origin[f"optim/{MATRIX}/exp_avg_sq"].abs().sum() == 0  # Muon's, not Adam's
-    tensors = {k: v for k, v in origin.items() if k.startswith(("model/", "optim/"))}
-    for name in ROUND_TRIPS:
-        got = full_contents(f"{ck}/{name}")
-        assert got["layout"]["tp"] * got["layout"]["pp"] * got["layout"]["cp"] == WORLD, name
-        for key, t in tensors.items():
-            assert torch.equal(got[key], t), f"{name}: {key}"
     serial = full_contents(f"{ck}/serial.z0")
     assert rel_err(momentum, serial[f"optim/{MATRIX}/exp_avg"]) < TOL  # trained at dp 2 vs in one process
+
+
+def test_round_trips_keep_weights_master_and_momentum_bitwise(runs):
+    """Loaded and saved again at once at another layout (tp, pp, cp, ZeRO 1 <-> 3, the state on the host, ep 1 <->
+    2), the files hold the loaded checkpoint's tensors bit for bit; the MoE ones the experts' momentum too."""
+    ck = runs["ck"]
+    for name, (origin, moe, layout) in ROUND_TRIPS.items():
+        want = _saved(full_contents(f"{ck}/{origin}"))
+        momenta = [k for k, v in want.items() if k.endswith("/exp_avg") and v.abs().sum() > 0]
+        assert momenta and any(".experts." in k for k in momenta) == moe, origin
+        got = full_contents(f"{ck}/{name}")
+        p = cfg(STEP, moe=moe, **layout).parallel
+        assert {k: got["layout"][k] for k in ("tp", "pp", "cp", "ep", "zero")} == dict(
+            tp=p.tp, pp=p.pp, cp=p.context_parallel_size, ep=p.ep, zero=p.zero), name
+        tensors = _saved(got)
+        assert tensors.keys() == want.keys(), name
+        for key, t in want.items():
+            assert not t.isnan().any() and torch.equal(tensors[key], t), f"{name}: {key}"

@@ -7,7 +7,8 @@ follow the dense arithmetic (``params.py``, ``grads.py``, ``zero3.py``) with edp
 in place of dp x cp: ZeRO 1 shards their optimizer state over edp, ZeRO 2 their gradients too, ZeRO 3
 their parameters (gathered with their block's unit); offload moves their shards as the dense ones. The
 stage's model state is the dense figure plus this one: at ZeRO 3 the sum of two high-water marks,
-an upper bound when they fall at different moments.
+an upper bound when they fall at different moments. MoE MTP blocks (an MoE last layer) put their experts
+in the last stage's last chunk, after its own layers' (``held_layer_ranges``).
 
 Activations an MoE layer keeps per micro-batch, beyond the dense block minus its MLP (measured with
 saved-tensor hooks on ``moe/layer.py``). Legend: T tokens this rank routes (s b / cp, / tp under SP),
@@ -140,6 +141,15 @@ def _expert_buckets(cfg: Config, run: RunPlan, chunks: list[range]) -> list[list
     return out
 
 
+def held_layer_ranges(cfg: Config, run: RunPlan, stage: int) -> list[range]:
+    """The global layer ids whose weights each chunk of ``stage`` holds: the last stage's last chunk also holds
+    the MTP blocks (ids num_layers .. num_layers + D - 1, after its own blocks, as ``blocks_of`` finds them)."""
+    chunks = list(chunk_layer_ranges(cfg.model.num_layers, run.pp, run.virtual_stages)[stage])
+    if stage == run.pp - 1:
+        chunks[-1] = range(chunks[-1].start, chunks[-1].stop + cfg.model.mtp_depth)
+    return chunks
+
+
 def _expert_state(cfg: Config, run: RunPlan, buckets: list[list[tuple[int, int]]], in_flight: int,
                   bytes_per_param: tuple[int, int, int]) -> PeakState:
     """Expert params, grads and optimizer bytes at their high-water mark (the dense rules over edp)."""
@@ -164,11 +174,12 @@ def expert_stage(cfg: Config, run: RunPlan, a: ActivationSpec, stage: int, in_fl
     """The MoE share of pipeline stage ``stage`` (``in_flight`` chunk-forwards held at its peak)."""
     if cfg.model.num_experts is None:
         return ExpertStage()
-    chunks = chunk_layer_ranges(cfg.model.num_layers, run.pp, run.virtual_stages)[stage]
-    moe_layers = sum(moe_layer_count(cfg.model, layers) for layers in chunks)
+    chunks = chunk_layer_ranges(cfg.model.num_layers, run.pp, run.virtual_stages)[stage]  # activations: mtp_plan
+    held = held_layer_ranges(cfg, run, stage)
+    moe_layers = sum(moe_layer_count(cfg.model, layers) for layers in held)
     if moe_layers == 0:
         return ExpertStage()
-    buckets = _expert_buckets(cfg, run, chunks)
+    buckets = _expert_buckets(cfg, run, held)
     state = _expert_state(cfg, run, buckets, in_flight, bytes_per_param)
     shards = run.layout.expert.edp if run.zero.shards_optimizer_state else 1
     per_layer = sum(moe_layer_terms(cfg, run, a).values())

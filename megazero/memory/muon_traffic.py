@@ -30,11 +30,12 @@ from ..model.transformer import TPContext, TransformerBlock
 from ..optimizer.muon import Matrix, matrices_of, matrix_shape, ns_cost, takes_muon
 from ..optimizer.muon_routes import Routes, WeightGeometry, gather_routes, scatter_routes
 from ..optimizer.muon_shards import assign_owners
-from ..pipeline.partition import chunk_layer_ranges
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import spec_of
 from .experts import expert_numels
-from .params import block_param_numels, chunk_param_numels, chunk_param_units
+from .moe_plan import held_layer_ranges
+from .params import (block_param_numels, chunk_param_numels, chunk_param_units, embedding_shared_across_stages,
+                     holds_word_embedding)
 
 # one parameter's (full TP-joined shape, split dim, Muon matrices); None for an AdamW one
 Geometry = tuple[tuple[int, ...], int | None, tuple[Matrix, ...]] | None
@@ -59,15 +60,23 @@ def block_geometry(cfg: ModelConfig, layer_id: int, experts: bool, ep: int = 1) 
 def _chunk_dense(cfg: ModelConfig, tp: int, blocks: int, pre: bool, post: bool, first: int) -> list[Geometry]:
     """Each dense parameter's geometry, parallel to ``chunk_param_numels`` (embeddings, head, norms: None)."""
     shapes: list[Geometry] = []
-    if pre or (post and cfg.tied_embeddings):
+    if holds_word_embedding(cfg, pre, post):
         shapes += [None] * (2 if pre and cfg.arch == "gpt2" else 1)
     for layer in range(first, first + blocks):
         here = block_geometry(cfg, layer, False)
         assert len(here) == len(block_param_numels(cfg, tp, layer)), "the planner's block differs from the model's"
         shapes += here
     if post:
-        shapes += [None] * ((2 if cfg.arch == "gpt2" else 1) + (0 if cfg.tied_embeddings else 1))
+        shapes += [None] * ((2 if cfg.arch == "gpt2" else 1) + (0 if cfg.tied_embeddings else 1)) + _mtp_dense(cfg)
     return shapes
+
+
+def _mtp_dense(cfg: ModelConfig) -> list[Geometry]:
+    """The MTP modules' geometries, parallel to ``params.mtp_param_numels`` (eh_proj: a replicated Muon matrix)."""
+    shape = (cfg.hidden_size, 2 * cfg.hidden_size)
+    return [g for k in range(cfg.mtp_depth) for g in
+            [None, None, (shape, None, tuple(matrices_of(f"mtp.{k}.eh_proj.weight", shape, cfg))),
+             *block_geometry(cfg, cfg.num_layers + k, False), None]]
 
 
 Buckets = list[tuple[int, list[tuple[int, Geometry]]]]  # (padded numel, its parameters' (numel, geometry))
@@ -109,7 +118,7 @@ def _dense_buckets(cfg: Config, run: RunPlan, stage: int) -> Buckets:
     m, sharded = cfg.model, run.zero.shards_optimizer_state
     shards = run.dp * run.cp if sharded else 1
     blocks = m.num_layers // (run.pp * run.virtual_stages)
-    tied = run.pp > 1 and m.tied_embeddings
+    tied = embedding_shared_across_stages(m, run.pp)
     out = []
     for c in range(run.virtual_stages):
         pre, post, first = c == 0 and stage == 0, c == run.virtual_stages - 1 and stage == run.pp - 1, \
@@ -132,7 +141,7 @@ def _expert_buckets(cfg: Config, run: RunPlan, stage: int) -> Buckets:
     edp = run.layout.expert.edp
     shards = edp if run.zero.shards_optimizer_state else 1
     out = []
-    for layers in chunk_layer_ranges(m.num_layers, run.pp, run.virtual_stages)[stage]:
+    for layers in held_layer_ranges(cfg, run, stage):  # the last stage's MTP blocks too
         numels: list[int] = []
         shapes: list[tuple[int, Geometry]] = []
         units: list[int] = []

@@ -17,8 +17,12 @@ equals ``count_parameters`` of the built model, vocabulary padding included):
                 proj n dv h (split)
     MoE layer   the router E h (replicated) and a shared expert (split) in the mlp's place;
                 the routed experts are counted apart (``experts.py``: E / ep per rank, split over etp)
-    embedding   V_pad h (split) + P h learned positions (gpt2, replicated)
+    embedding   V_pad h (split) + P h learned positions (gpt2, replicated); under pp > 1 the last stage
+                holds a copy of the word embedding when it is tied or MTP embeds the shifted tokens
     head        final norm (replicated) + V_pad h output (split; only when untied)
+    MTP         (--mtp-num-layers D, last stage, after the head) per depth enorm, hnorm h each, eh_proj
+                2h h, one block (layer id num_layers + k: the last layer's kind), final norm h; replicated
+                but for the block
 
 Model-state bytes per parameter (mixed precision keeps an fp32 master copy
 and two fp32 Adam moments, K = 12 in the ZeRO paper; fp32 training updates
@@ -120,19 +124,40 @@ def head_params(cfg: ModelConfig, tp: int) -> ParamCount:
     return ParamCount(output, _norm(cfg))
 
 
-def mtp_dense_params(cfg: ModelConfig) -> int:
+def mtp_params(cfg: ModelConfig) -> ParamCount:
     """The MTP modules' dense parameters (``model/mtp.py``): per depth enorm, hnorm, the 2h -> h eh_proj, one
     block (global layer id num_layers + k: the last layer's kind) and its final norm; embedding and head shared.
-    Counted in the model's total only: the stage plans do not hold the MTP modules yet."""
+    Only the block splits over TP (the RMSNorms and eh_proj are replicated)."""
     h = cfg.hidden_size
-    return sum(block_params(cfg, cfg.num_layers + k).full + 2 * h * h + 3 * h for k in range(cfg.mtp_depth))
+    return sum((block_params(cfg, cfg.num_layers + k) + ParamCount(0, 2 * h * h + 3 * h)
+                for k in range(cfg.mtp_depth)), ParamCount())
+
+
+def mtp_param_numels(cfg: ModelConfig, tp: int) -> list[int]:
+    """The MTP modules' dense parameters on one TP rank, in registration order (per depth: enorm, hnorm,
+    eh_proj, the block's, final_norm): the post-process chunk registers them after its head."""
+    h = cfg.hidden_size
+    return [n for k in range(cfg.mtp_depth)
+            for n in [h, h, 2 * h * h, *block_param_numels(cfg, tp, cfg.num_layers + k), h]]
+
+
+def holds_word_embedding(cfg: ModelConfig, pre_process: bool, post_process: bool) -> bool:
+    """Whether a chunk builds a word embedding (``GPTModel``): the first stage, and the last one when the
+    embedding is tied to the head or the MTP depths embed the shifted tokens (a copy under pp > 1)."""
+    return pre_process or (post_process and (cfg.tied_embeddings or cfg.mtp_depth > 0))
+
+
+def embedding_shared_across_stages(cfg: ModelConfig, pp: int) -> bool:
+    """The first and last stages each hold the word embedding (its buckets sit alone, summed over the
+    embedding group: ``data_parallel/bucketing.py``)."""
+    return pp > 1 and (cfg.tied_embeddings or cfg.mtp_depth > 0)
 
 
 def num_parameters(cfg: ModelConfig, tp: int = 1) -> int:
     """Parameters of the full model, as ``megazero.model.gpt.count_parameters`` counts them (MTP included)."""
     total = sum((block_params(cfg, i) for i in range(cfg.num_layers)), ParamCount())
     total = total + embedding_params(cfg, tp, cfg.arch == "gpt2") + head_params(cfg, tp)
-    return total.full + mtp_dense_params(cfg) + expert_params(cfg)
+    return (total + mtp_params(cfg)).full + expert_params(cfg)
 
 
 def block_param_numels(cfg: ModelConfig, tp: int, layer_id: int = 0) -> list[int]:
@@ -156,7 +181,7 @@ def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: 
     (the word embedding first when the chunk has one; blocks from global layer ``first_layer``): what the
     optimizer's dense buckets are cut from."""
     numels: list[int] = []
-    if pre_process or (post_process and cfg.tied_embeddings):
+    if holds_word_embedding(cfg, pre_process, post_process):
         numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
         if pre_process and cfg.arch == "gpt2":
             numels.append(cfg.position_table_size * cfg.hidden_size)
@@ -165,31 +190,35 @@ def chunk_param_numels(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: 
         numels += [cfg.hidden_size] * (2 if cfg.arch == "gpt2" else 1)  # final norm weight (, bias)
         if not cfg.tied_embeddings:
             numels.append(cfg.padded_vocab_size(tp) // tp * cfg.hidden_size)
+        numels += mtp_param_numels(cfg, tp)
     return numels
 
 
 def chunk_param_units(cfg: ModelConfig, num_blocks: int, pre_process: bool, post_process: bool,
                       layers_per_unit: int, first_layer: int = 0) -> list[int]:
     """The ZeRO-3 unit of each parameter of ``chunk_param_numels``, as ``data_parallel.zero3.plan_units``
-    groups them: 0 is the chunk's root unit (embeddings, final norm, head), block i is in unit
-    1 + i // layers_per_unit."""
-    embedding = 1 if (pre_process or (post_process and cfg.tied_embeddings)) else 0
+    groups them: 0 is the chunk's root unit (embeddings, final norm, head, the MTP norms and eh_proj), block i
+    is in unit 1 + i // layers_per_unit (the MTP blocks follow the chunk's blocks, as ``blocks_of`` finds them)."""
+    embedding = 1 if holds_word_embedding(cfg, pre_process, post_process) else 0
     embedding += 1 if embedding and pre_process and cfg.arch == "gpt2" else 0
     tail = (2 if cfg.arch == "gpt2" else 1) + (0 if cfg.tied_embeddings else 1) if post_process else 0
     blocks = [1 + i // layers_per_unit for i in range(num_blocks)
               for _ in block_param_numels(cfg, 1, first_layer + i)]
-    return [0] * embedding + blocks + [0] * tail
+    mtp = [u for k in range(cfg.mtp_depth if post_process else 0)
+           for u in [0, 0, 0, *[1 + (num_blocks + k) // layers_per_unit]
+                     * len(block_param_numels(cfg, 1, cfg.num_layers + k)), 0]]
+    return [0] * embedding + blocks + [0] * tail + mtp
 
 
 def chunk_params(cfg: ModelConfig, tp: int, num_blocks: int, pre_process: bool, post_process: bool,
                  first_layer: int = 0) -> int:
-    """Dense parameters one rank holds for one model chunk (TP shard; the tied embedding copy included; blocks
-    from global layer ``first_layer``; the routed experts apart, ``moe_plan.py``)."""
+    """Dense parameters one rank holds for one model chunk (TP shard; the last stage's embedding copy and MTP
+    modules included; blocks from global layer ``first_layer``; the routed experts apart, ``moe_plan.py``)."""
     total = sum((block_params(cfg, i) for i in range(first_layer, first_layer + num_blocks)), ParamCount())
-    if pre_process or (post_process and cfg.tied_embeddings):
+    if holds_word_embedding(cfg, pre_process, post_process):
         total = total + embedding_params(cfg, tp, pre_process and cfg.arch == "gpt2")
     if post_process:
-        total = total + head_params(cfg, tp)
+        total = total + head_params(cfg, tp) + mtp_params(cfg)
     return total.per_rank(tp)
 
 

@@ -25,12 +25,12 @@ from .activations import (ActivationSpec, chunk_activation_bytes, cp_working_byt
 from .documents import document_lines, planned_document_length
 from .grads import grad_bytes, unit_buckets
 from .offload import OffloadHardware, describe, offload_bytes, offload_seconds
-from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params, model_state_bytes,
-                     num_parameters)
+from .params import (bytes_per_param, chunk_param_numels, chunk_param_units, chunk_params,
+                     embedding_shared_across_stages, model_state_bytes, num_parameters)
 from .moe_plan import ExpertStage, add_experts, expert_stage, expert_words, moe_lines
 from .muon_plan import muon_lines, ns_workspace_bytes, optimizer_state_bytes, with_one_moment
 from .muon_traffic import muon_step_bytes
-from .mtp_plan import mtp_expert_activation_bytes
+from .mtp_plan import embedding_copy_in_gradient_order, mtp_expert_activation_bytes
 from .zero3 import PeakState, zero3_bytes
 
 GIB = 2**30
@@ -266,15 +266,16 @@ def _chunk_buckets(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool, i
 def _bucket_layout(spec: PlanSpec, blocks: int, chunks: list[tuple[bool, bool, int]]) -> list[list[tuple[int, int]]]:
     """(unit, padded size) of every bucket of each chunk on this stage, in backward order."""
     cfg, run = spec.model, spec.run
-    tied = run.pp > 1 and cfg.tied_embeddings
+    tied = embedding_shared_across_stages(cfg, run.pp)  # tied, or the MTP depths' copy
     out = []
     for pre, post, layer in chunks:
         numels = chunk_param_numels(cfg, run.tp, blocks, pre, post, layer)
         units = chunk_param_units(cfg, blocks, pre, post, spec.gathering.layers_per_unit, layer) \
             if run.zero.shards_parameters else [0] * len(numels)
         buckets = unit_buckets(numels, units, spec.cfg.parallel.bucket_size, _num_shards(run), tied and (pre or post))
-        if tied and post and not pre:  # the last stage's embedding copy is the head: its gradient comes first
-            buckets = buckets[-1:] + buckets[:-1]
+        if tied and post and not pre:  # the embedding copy's gradient: first, or after the MTP depths' (mtp_plan)
+            buckets = embedding_copy_in_gradient_order(cfg, buckets, numels, units, spec.cfg.parallel.bucket_size,
+                                                       _num_shards(run))
         out.append(buckets)
     return out
 

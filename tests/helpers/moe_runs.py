@@ -55,7 +55,11 @@ def state_for(states: dict[Any, ParallelState], cfg: Config, world: int) -> Para
     key = (layout_of(cfg, world), cfg.parallel.cp_a2a)
     if key not in states:
         states[key] = ParallelState.build(key[0], "cpu", cp_a2a=key[1])
-    return states[key]
+    state = states[key]
+    # The world group is one object shared by every state of the process, charged to the ledger that named it
+    # last: a reused state names it again, or its world collectives (Muon's sends) count in another's ledger.
+    state.ledger.name_group(state.world_group, "world")
+    return state
 
 
 def records(result: dict[str, Any]) -> list[tuple[float, float]]:

@@ -37,6 +37,9 @@ RUNS = [  # (key, config), each at WORLD ranks (dp fills what the named degrees 
     ("moe.llama.tp2.sp.ep2.etp1.shared.z1", moe(iters=ITERS, tp=2, ep=2, etp=1, zero=1,
                                                 model=dict(moe_shared_expert_intermediate_size=32))),
     ("moe.gpt2.pp2.ep2.tied.z1", moe("gpt2", ITERS, pp=2, ep=2, zero=1)),
+    # MTP (last stage: its modules and the word embedding's copy): eh_proj and the MTP block's matrices take Muon
+    ("llama.mtp.pp2.z1", dense(iters=ITERS, mtp_num_layers=1, **degrees(pp=2, zero=1))),
+    ("moe.llama.mtp.pp2.ep2.z2", moe(iters=ITERS, pp=2, ep=2, zero=2, model=dict(mtp_num_layers=1))),
 ]
 
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from torch import nn
 
 from megazero.checkpoint import storage
-from megazero.checkpoint.load import load_model_weights, load_optimizer_state
+from megazero.checkpoint.load import load_optimizer_state
 from megazero.checkpoint.async_save import AsyncCheckpointer
 from megazero.checkpoint.checkpointer import SyncCheckpointer
 from megazero.checkpoint.save import CheckpointContext
@@ -26,7 +26,7 @@ from megazero.model.chunk import routers_of
 from megazero.parallel.layout import Layout
 from megazero.parallel.state import ParallelState
 from megazero.run_plan import RunPlan
-from megazero.training.parallelize import build_model_chunks, parallelize
+from megazero.training.parallelize import build_training_model
 from tests.helpers.resume import cfg_for
 
 EXPERTS = 4
@@ -66,18 +66,17 @@ def random_biases(chunks: list[nn.Module]) -> None:
 
 def round_trip(pstate: ParallelState, cfg: Config, load: str, save: str,
                edit: Callable[[list[nn.Module]], None] | None = None, asynchronous: bool = False) -> None:
-    """Load ``load`` into ``cfg``'s layout as a resume does (weights, then the optimizer) and save it again at
-    once, as the same iteration (``asynchronous``: as --async-save does); ``edit`` changes the loaded model
-    first."""
+    """Load ``load`` into ``cfg``'s layout as a resume does (``build_training_model`` with its weights, then the
+    optimizer) and save it again at once, as the same iteration (``asynchronous``: as --async-save does);
+    ``edit`` changes the loaded model's buffers before the save (after the wrap: the optimizer's master copy
+    is taken by then, so an edit of a parameter would not reach it)."""
     plan = RunPlan.resolve(cfg, pstate.layout.world_size)
-    chunks = build_model_chunks(cfg, plan, pstate)
     folder = storage.resolve(load)
     meta = storage.read_metadata(folder)
-    load_model_weights(folder, meta, chunks, pstate)
-    if edit is not None:
-        edit(chunks)
-    model = parallelize(chunks, plan, pstate, cfg)
+    model = build_training_model(cfg, plan, pstate, weights=(folder, meta))
     try:
+        if edit is not None:
+            edit(model.chunks)
         load_optimizer_state(folder, meta, model, pstate)
         ctx = CheckpointContext(save, cfg, plan, pstate, model, log=lambda line: None)
         saver = AsyncCheckpointer(ctx) if asynchronous else SyncCheckpointer(ctx)

@@ -27,8 +27,17 @@ def _add_field(group: argparse._ArgumentGroup, f: Any, annotation: Any) -> None:
         group.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction,
                            default=argparse.SUPPRESS, help=helptext)
         return
-    group.add_argument(*names, dest=f.name, type=kind, nargs="+" if is_list else None,
+    group.add_argument(*names, dest=f.name, type=kind, nargs=_nargs(annotation, is_list),
                        choices=f.metadata.get("choices"), default=argparse.SUPPRESS, help=helptext)
+
+
+def _nargs(annotation: Any, is_list: bool) -> int | str | None:
+    """How many values a flag takes: a ``tuple[float, float, float]`` field exactly three (argparse refuses
+    another count in one line), a list one or more, a scalar one."""
+    items = typing.get_args(annotation)
+    if typing.get_origin(annotation) is tuple and Ellipsis not in items:
+        return len(items)
+    return "+" if is_list else None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -10,6 +10,7 @@ Sections are frozen: a change is ``Config.updated(...)``, which validates again.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -49,6 +50,8 @@ _OFFLOAD_FLAGS = dict(zip(("device", "host", "disk"), OFFLOAD_FLAGS))  # Placeme
 
 OPTIMIZERS = ("adamw", "muon")
 MUON_LR_ADJUSTMENTS = ("original", "match_rms_adamw")  # torch.optim.Muon's adjust_lr_fn names
+MUON_NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the NS quintic's (a, b, c): Keller Jordan's, torch's defaults
+MUON_NS_DTYPES = ("fp32", "bf16")
 _WITH_MUON = Needs("--optimizer muon", ("optimizer",), lambda name: name == "muon")
 _WITH_QK_CLIP = Needs("--qk-clip-threshold", ("qk_clip_threshold",), lambda threshold: threshold is not None)
 
@@ -78,6 +81,11 @@ class OptimizerConfig:
                               "--no-muon-nesterov: the momentum itself.", applies=_WITH_MUON)
     muon_ns_steps: int = opt(5, "Newton-Schulz iterations per matrix and step.", at_least=1, at_most=99,
                              applies=_WITH_MUON)
+    muon_ns_coefficients: tuple[float, float, float] = opt(
+        MUON_NS_COEFFICIENTS, "The (a, b, c) of Muon's Newton-Schulz quintic a X + b (X X^T) X + c (X X^T)^2 X; the "
+        "default is Keller Jordan's (torch.optim.Muon's).", applies=_WITH_MUON)
+    muon_ns_dtype: str = opt("fp32", "The dtype Newton-Schulz runs in: fp32, or bf16 as torch.optim.Muon runs it.",
+                             choices=MUON_NS_DTYPES, applies=_WITH_MUON)
     muon_lr_adjust: str = opt("original", "Muon's per-matrix lr: original (torch's default) lr * sqrt(max(1, "
                               "out/in)); match_rms_adamw (Moonlight's) lr * 0.2 * sqrt(max(out, in)), an update RMS "
                               "like AdamW's, for reusing AdamW's lr and weight decay.",
@@ -102,6 +110,10 @@ class OptimizerConfig:
                 or self.warmup_iters(self.lr_decay_iters) < self.lr_decay_iters,
                 f"the warm-up ({warmup}) must end before --lr-decay-iters ({self.lr_decay_iters}), or the LR "
                 f"jumps from its peak to --min-lr; shorten the warm-up or raise --lr-decay-iters.")
+        a_b_c = self.muon_ns_coefficients
+        require(len(a_b_c) == 3 and all(map(math.isfinite, a_b_c)) and a_b_c[0] > 0,
+                f"--muon-ns-coefficients must be three finite numbers a b c with a > 0 (with a <= 0 a matrix's small "
+                f"singular directions would vanish from the update or point uphill), got {' '.join(map(str, a_b_c))}.")
         require(self.muon_adam_lr is None or self.lr > 0,
                 "--muon-adam-lr follows the --lr schedule, which --lr 0 keeps at zero; pass --lr > 0 or drop "
                 "--muon-adam-lr.")

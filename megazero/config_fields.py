@@ -110,7 +110,7 @@ def field_kind(annotation: Any) -> tuple[type, bool, bool]:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         kind, is_list, _ = field_kind(args[0])
         return kind, is_list, True
-    if typing.get_origin(annotation) is list:
+    if typing.get_origin(annotation) in (list, tuple):  # tuple[float, float, float]: a fixed count of numbers
         return typing.get_args(annotation)[0], True, False
     return annotation, False, False
 
@@ -142,6 +142,8 @@ _KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str:
 
 def _typed(value: Any, kind: type, is_list: bool, names: str) -> Any:
     """``value`` as ``kind`` (or a list of it) where that is unambiguous; ConfigError otherwise."""
+    if is_list and kind is not str:
+        return _numbers(value, kind, names)
     if is_list:
         items = value.split() if isinstance(value, str) else value  # YAML 'W1 P1 W2 P2', as the flag takes it
         items = [items] if isinstance(items, numbers.Real) and not isinstance(items, bool) else items  # YAML `2`
@@ -151,6 +153,16 @@ def _typed(value: Any, kind: type, is_list: bool, names: str) -> Any:
         return _refuse(value, "a list of strings (or one string)", names)
     converted = _scalar(value, kind)
     return _refuse(value, _KIND_WORDS[kind], names) if converted is None else converted
+
+
+def _numbers(value: Any, kind: type, names: str) -> tuple:
+    """A list of numbers (YAML ``[3.4, -4.7, 2.0]`` or ``'3.4 -4.7 2.0'``, as the flag takes it) as a tuple of
+    ``kind``: a tuple, so that it is hashable and equals a tuple default."""
+    items = value.split() if isinstance(value, str) else value
+    numbers_ = [_scalar(v, kind) for v in items] if isinstance(items, (list, tuple)) else [None]
+    if any(n is None for n in numbers_):
+        _refuse(value, f"a list of {_KIND_WORDS[kind].split()[-1]}s", names)
+    return tuple(numbers_)
 
 
 def _scalar(value: Any, kind: type) -> Any:
@@ -198,7 +210,7 @@ def check_applicable(sections: list[Any], given: frozenset[str], pending: frozen
             if needs is None or (f.name not in given and value == f.default) or pending & set(needs.on):
                 continue
             if not needs.test(*(values[name] for name in needs.on)):
-                shown = f"{flag(f.name)} {value}"
+                shown = f"{flag(f.name)} {_spelled(value)}"
                 if isinstance(value, bool):  # a switch as it was typed: --async-save, --no-reshard-after-forward
                     shown = switch_flag(f.name, value)
                 here = ", ".join(_setting(shortest[name], values[name]) for name in needs.on)
@@ -210,4 +222,9 @@ def _setting(names: str, value: Any) -> str:
     """How a setting reads in a message: '--zero 1', '--compile', 'no --save'."""
     if value is None or value is False:
         return f"no {names}"
-    return names if value is True else f"{names} {value}"
+    return names if value is True else f"{names} {_spelled(value)}"
+
+
+def _spelled(value: Any) -> str:
+    """A value as it is typed after its flag: a tuple of numbers as '3.4445 -4.775 2.0315'."""
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)

@@ -23,7 +23,7 @@ nn.Linear, so its shape-dependent learning rate is the one ``torch.optim.Muon`` 
 The arithmetic and its order are torch's single-tensor Muon (torch/optim/_muon.py, torch 2.13):
 momentum ``m.lerp_(g, 1 - mu)``; Nesterov ``g.lerp(m, mu)``; NS; ``w *= 1 - lr * wd`` (the unadjusted
 lr); ``w -= adjusted_lr * NS``. torch runs NS in bf16; ``MuonHyper.ns_dtype`` says which dtype runs it
-here (fp32 by default; bf16 reproduces ``torch.optim.Muon`` bit for bit).
+here (--muon-ns-dtype: fp32 by default; bf16 reproduces ``torch.optim.Muon`` bit for bit).
 """
 from __future__ import annotations
 
@@ -35,10 +35,11 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-from ..config import MUON_LR_ADJUSTMENTS, ModelConfig, OptimizerConfig
+from ..config import MUON_LR_ADJUSTMENTS, MUON_NS_COEFFICIENTS, ModelConfig, OptimizerConfig
 from ..tensor_parallel.layers import spec_of
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): Keller Jordan's, torch's defaults
+NS_COEFFICIENTS = MUON_NS_COEFFICIENTS  # the quintic's (a, b, c): Keller Jordan's, torch's defaults
+NS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --muon-ns-dtype's words
 LR_ADJUSTMENTS = MUON_LR_ADJUSTMENTS
 ADAMW_MODULES = frozenset({"embedding", "output", "router"})  # name parts whose matrices stay with AdamW
 
@@ -72,7 +73,8 @@ class MuonHyper:
 def muon_hyper(cfg: OptimizerConfig, lr: float) -> MuonHyper:
     """The run's Muon hyperparameters (--muon-* flags, the decoupled --weight-decay) at the scheduled ``lr``."""
     return MuonHyper(lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov,
-                     ns_steps=cfg.muon_ns_steps, adjust_lr=cfg.muon_lr_adjust)
+                     ns_steps=cfg.muon_ns_steps, ns_coefficients=cfg.muon_ns_coefficients,
+                     adjust_lr=cfg.muon_lr_adjust, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype])
 
 
 class NSClock:

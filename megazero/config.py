@@ -86,9 +86,10 @@ class OptimizerConfig:
         "default is Keller Jordan's (torch.optim.Muon's).", applies=_WITH_MUON)
     muon_ns_dtype: str = opt("fp32", "The dtype Newton-Schulz runs in: fp32, or bf16 as torch.optim.Muon runs it.",
                              choices=MUON_NS_DTYPES, applies=_WITH_MUON)
-    muon_lr_adjust: str = opt("original", "Muon's per-matrix lr: original (torch's default) lr * sqrt(max(1, "
-                              "out/in)); match_rms_adamw (Moonlight's) lr * 0.2 * sqrt(max(out, in)), an update RMS "
-                              "like AdamW's, for reusing AdamW's lr and weight decay.",
+    muon_lr_adjust: str = opt("match_rms_adamw", "Muon's per-matrix lr: match_rms_adamw (Moonlight's, the default: "
+                              "--optimizer muon keeps a preset's AdamW --lr and weight decay) lr * 0.2 * sqrt(max(out, "
+                              "in)), an update RMS like AdamW's; original (torch.optim.Muon's default) lr * "
+                              "sqrt(max(1, out/in)), for a Muon-sized lr (~0.02).",
                               choices=MUON_LR_ADJUSTMENTS, applies=_WITH_MUON)
     muon_adam_lr: float | None = opt(None, "Peak lr of the parameters AdamW trains beside Muon (it follows the "
                                      "--lr schedule, scaled by --muon-adam-lr / --lr); None = --lr.", at_least=0,

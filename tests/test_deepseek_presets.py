@@ -26,6 +26,7 @@ from megazero.memory.experts import inactive_params
 from megazero.model.gpt import GPTModel, count_parameters
 from megazero.model.transformer import TPContext
 from megazero.tensor_parallel.layers import initialize_parameters, spec_of
+from megazero.training.metrics import format_iteration
 from megazero.training.run import validate
 from tests.helpers.deepseek_hf import LOGIT_TOL, ids, logits_error
 from tests.helpers.launch import TEST_VOCAB, train_records
@@ -188,6 +189,7 @@ def test_tiny_preset_trains_two_iterations(tmp_path):
     assert all(math.isfinite(r["mtp_1_loss"]) for r in records)
     assert abs(records[0]["loss"] - math.log(TEST_VOCAB)) < 0.5
     assert abs(records[0]["mtp_1_loss"] - math.log(TEST_VOCAB)) < 0.5
+    assert f"| mtp 1 loss {records[0]['mtp_1_loss']:.6E} |" in format_iteration(records[0])  # the log line's
     tokens = 16 * 128 * 4  # the global batch's tokens, k = 4 experts each
     for r in records:
         assert sorted(r["moe_layers"]) == ["1", "2", "3", "4"]

@@ -17,6 +17,7 @@ against transformers and across TP.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -273,6 +274,24 @@ def test_recompute_selective_and_full_give_the_same_gradients():
     assert blocks_of(model)[0].recompute == "full"
     for loss, grads in results[1:]:
         assert loss == results[0][0] and all(torch.equal(g, r) for g, r in zip(grads, results[0][1]))
+
+
+def test_the_fused_head_gives_the_same_loss_and_gradients():
+    """--cross-entropy-chunk-size on an MLA model with one MTP depth: the head and its loss fused chunk by chunk
+    (the LM's and the depth's), the loss and every gradient as the plain head's within 1e-6."""
+    cfg = dataclasses.replace(tiny_mla().model, mtp_num_layers=1)
+    tokens = torch.randint(0, 1000, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))
+    results = []
+    for chunk in (0, 5):
+        model = GPTModel(cfg, TPContext(), ce_chunk_size=chunk)
+        initialize_parameters(model, 7, None)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, want), (fused, got) = results
+    assert rel_err(fused, plain) < 1e-6 and any(n.startswith("mtp.") for n in want)
+    for name, g in got.items():
+        assert rel_err(g, want[name]) < 1e-6, name
 
 
 def test_an_export_transformers_cannot_compute_is_refused():

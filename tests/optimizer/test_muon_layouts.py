@@ -2,20 +2,19 @@
 "Parity"; ``megazero/optimizer/muon_shards.py``).
 
 One spawned world of 4 ranks trains every layout in it (the pieces ``pretrain_gpt.py`` uses,
-``optimizer_harness.train``), fp32, 20 iterations each: pp 2 x dp 2 with 1F1B (gpt2: tied embeddings split over
-the stages, ZeRO 1) and interleaved (2 chunks per rank, ZeRO 0); cp 2 x dp 2 with p2p (ZeRO 1) and a2a (ZeRO 2),
-cp 4 hybrid (a2a 2 x p2p 2); MoE llama (E 4, each routed expert's matrices separate Muon matrices) at ep 2 x dp 4
-(edp 2, ZeRO 2), tp 2 x ep 2 with sequence parallelism at etp 1 (a shared expert, ZeRO 1) and etp 2; pp 2 x ep 2
-(gpt2 MoE, tied embeddings, ZeRO 1); ZeRO 3 at tp 2 x dp 2 with sequence parallelism, resharding after forward
-and not (--no-reshard-after-forward), and at dp 4 without. A world of 8 ranks trains tp 2 (sequence parallel) x
-pp 2 x dp 2 at ZeRO 3 (llama, GQA; 1F1B, 2 micro-batches per rank). pp 2 1F1B, cp 2 a2a, tp 2 x ep 2 at etp 2 and
-the 8-rank layout train a second time in the same world, bitwise equal to the first. One process trains 1
-micro-batch of 4 samples as it trains 4 of 1 (20 iterations, within 1e-5).
-Every rank's loss and grad norm of every iteration within 1e-5 relative of the same config in one process; the
-NS calls summed over the ranks exactly one per Muon matrix of the whole model per step; each rank's holders (the
-ranks its dense and its expert weights are owned over) dp x cp x tp and edp x etp of its stage; the bytes of
-Muon's gathers and scatters counted at the collectives equal the documented formula every step.
-"""
+``optimizer_harness.train``), fp32, 20 iterations each: pp 2 x dp 2 with 1F1B (gpt2: tied embeddings split over the
+stages, ZeRO 1), interleaved (2 chunks per rank, ZeRO 0) and GPipe (ZeRO 2); cp 2 x dp 2 with p2p (ZeRO 1) and a2a
+(ZeRO 2), cp 4 hybrid (a2a 2 x p2p 2); MoE llama (E 4, each routed expert's matrices separate Muon matrices) at ep
+2 x dp 4 (edp 2, ZeRO 2), tp 2 x ep 2 with sequence parallelism at etp 1 (a shared expert, ZeRO 1) and etp 2; pp 2
+x ep 2 (gpt2 MoE, tied embeddings, ZeRO 1); ZeRO 3 at tp 2 x dp 2 with sequence parallelism, resharding after
+forward and not (--no-reshard-after-forward), and at dp 4 without. A world of 8 ranks trains tp 2 (sequence
+parallel) x pp 2 x dp 2 at ZeRO 3 (llama, GQA; 1F1B, 2 micro-batches per rank). pp 2 1F1B, cp 2 a2a, tp 2 x ep 2 at
+etp 2 and the 8-rank layout train a second time in the same world, bitwise equal to the first. One process trains 1
+micro-batch of 4 samples as it trains 4 of 1 (20 iterations, within 1e-5). Every rank's loss and grad norm of every
+iteration within 1e-5 relative of the same config in one process; the NS calls summed over the ranks exactly one
+per Muon matrix of the whole model per step; each rank's holders (the ranks its dense and its expert weights are
+owned over) dp x cp x tp and edp x etp of its stage; the bytes of Muon's gathers and scatters counted at the
+collectives equal the documented formula every step."""
 from __future__ import annotations
 
 from typing import Any
@@ -41,6 +40,7 @@ SHARED = dict(moe_shared_expert_intermediate_size=32)  # a dense expert beside t
 RUNS = [  # (key, config), each at WORLD ranks (dp fills what the named degrees leave); one layout's runs together
     ("gpt2.pp2.1f1b.tied.z1", dense("gpt2", **degrees(pp=2, schedule="1f1b", zero=1))),
     ("llama.pp2.interleaved.vp2.z0", dense(num_layers=4, **degrees(pp=2, schedule="interleaved", vp=2, zero=0))),
+    ("llama.pp2.gpipe.z2", dense(**degrees(pp=2, schedule="gpipe", zero=2))),
     ("llama.cp2.p2p.z1", dense(seq_length=32, **degrees(cp=2, comm="p2p", zero=1))),
     ("llama.cp2.a2a.z2", dense(seq_length=32, **degrees(cp=2, comm="a2a", zero=2))),
     ("llama.cp4.hybrid.z1", dense(seq_length=32, **degrees(cp=4, comm="a2a+p2p", a2a=2, zero=1))),

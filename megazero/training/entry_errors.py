@@ -37,14 +37,20 @@ def _first_to_say(line: str) -> bool:
 
 def _write_error_file(line: str) -> None:
     """The error file ``record`` writes, with the line where it puts the traceback (what torchrun's summary
-    prints as the failure's "traceback")."""
+    prints as the failure's "traceback").
+
+    Written whole or not at all (a temporary file renamed into place): a rank that fails because a peer died is
+    often still writing when the agent, having seen the peer's death, sends it SIGTERM; an error file left empty
+    made the agent's JSON read raise, and the agent died instead of restarting the workers."""
     error_file = os.environ.get(ERROR_FILE_ENV)
     if not error_file:
         return
     record = {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+    partial = f"{error_file}.{os.getpid()}.partial"
     try:
-        with open(error_file, "w") as fh:
+        with open(partial, "w") as fh:
             json.dump({"message": record}, fh)
+        os.replace(partial, error_file)
     except OSError:  # torchrun then shows its generic text; the line itself is already on stderr
         pass
 

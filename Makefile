@@ -28,14 +28,18 @@ train: $(STAMP)
 # test by what it uses), less the modules over 20 CPU-seconds (``heavy``, tests/helpers/suite_order.py), for
 # before each commit. Both run TEST_WORKERS pytest processes (pytest-xdist; auto = one
 # per core), which steal tests from each other at the end. PYTEST_ARGS adds pytest flags (.ci/run: timings).
+# The suite starts ~100 fresh interpreters (torchrun agents, signals, doc commands): each would compile megazero's
+# sources again where the environment sets PYTHONDONTWRITEBYTECODE, so the tests write bytecode into the (ignored)
+# __pycache__ folders, and pytest caches its rewritten test modules there.
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist worksteal
+PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
 test: $(STAMP)
-	$(PY) -m pytest tests -q $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) tests -q $(XDIST) $(PYTEST_ARGS)
 
 test-quick: $(STAMP)
-	$(PY) -m pytest tests -q -m "not launch and not heavy" $(XDIST) $(PYTEST_ARGS)
+	$(PYTEST) tests -q -m "not launch and not heavy" $(XDIST) $(PYTEST_ARGS)
 
 # ruff (pyflakes, pycodestyle, bugbear; settings in pyproject.toml) on everything, and mypy on megazero/ against
 # the committed baseline .ci/mypy-baseline.txt, which may only shrink (.ci/type_baseline.py says how).

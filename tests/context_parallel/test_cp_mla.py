@@ -12,6 +12,9 @@ proves it in one spawned 4-rank world, fp32:
   final weight (MTP's included) within 1e-5 (``rel_err``) of its;
 - per-parameter gradients of one MLA layer (every weight's and the input's, summed over the CP ranks)
   within 1e-5 of the same layer run whole in the same rank, in each of those layouts' CP groups.
+
+The one-process runs: one per distinct serial config (the six on synthetic batches share one), computed once per
+session (``session_cache.cached``).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from tests.helpers.compare import full_parameters, full_params, rel_err
 from tests.helpers.cp_runs import serial_config
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import build
+from tests.helpers.session_cache import cached
 from tests.helpers.tiny_config import degrees, parity_iters, tiny_config
 
 WORLD, ITERS, TOL = 4, parity_iters(), 1e-5
@@ -126,11 +130,20 @@ def _world(pstate: ParallelState) -> dict[str, Any]:
     return out
 
 
+def _serial_run(cfg: Config, packed: bool) -> dict[str, Any]:
+    return train_run(ParallelState.serial(), cfg, packed)
+
+
+def serial_run(cfg: Config, packed: bool) -> dict[str, Any]:
+    """The one-process run of ``cfg``'s serial config, once per session."""
+    return cached(_serial_run, serial_config(cfg), packed)
+
+
 def test_mla_under_every_cp_form_trains_what_one_process_trains():
     world = spawn(_world, WORLD)
     bad: list[str] = []
     for key, (cfg, packed) in RUNS.items():
-        serial = train_run(ParallelState.serial(), serial_config(cfg), packed)
+        serial = serial_run(cfg, packed)
         assert len(serial["records"]) == ITERS and all(torch.isfinite(torch.tensor(serial["records"])).flatten())
         for rank, per_run in enumerate(world):
             got = per_run[key]

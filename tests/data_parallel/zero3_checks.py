@@ -140,11 +140,24 @@ def checked_run(pstate: ParallelState, cfg: Config) -> dict[str, Any]:
 
 
 def run_all(pstate: ParallelState, runs: dict[str, dict], extras: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every run of ``runs`` (make_cfg overrides) in this world, plus the named extra measurements."""
-    out: dict[str, Any] = {name: checked_run(pstate, make_cfg(**kw)) for name, kw in runs.items()}
+    """Every run of ``runs`` (make_cfg overrides) in this world, plus the named extra measurements. A config
+    asked for twice (the fp32 ZeRO 3 precision pairs are the dp2 "1mb" and "4mb" runs) is trained once: a run
+    is a pure function of its config and layout, so both readers get the numbers a second run would give."""
+    done: list[tuple[Config, dict[str, Any]]] = []
+    out: dict[str, Any] = {name: checked_once(pstate, make_cfg(**kw), done) for name, kw in runs.items()}
     for extra in extras:
-        out[extra] = EXTRAS[extra](pstate)
+        out[extra] = EXTRAS[extra](pstate, done) if extra in TAKES_DONE else EXTRAS[extra](pstate)
     return out
+
+
+def checked_once(pstate: ParallelState, cfg: Config, done: list[tuple[Config, dict[str, Any]]]) -> dict[str, Any]:
+    """``checked_run`` of ``cfg``, or the result of the equal config already run in this world (``done``)."""
+    for seen, result in done:
+        if seen == cfg:
+            return result
+    result = checked_run(pstate, cfg)
+    done.append((cfg, result))
+    return result
 
 
 # -- dp 4: traffic per step and model-state bytes ------------------------------------------------
@@ -203,8 +216,9 @@ PRECISION_RUNS = {  # global batch 8 over dp 2: mbs 4 = one micro-batch, mbs 1 =
     for p in PRECISION for zero in (2, 3) for m in (1, 4)}
 
 
-def precision_pairs(pstate: ParallelState) -> dict[str, Any]:
-    return {name: checked_run(pstate, make_cfg(**kw)) for name, kw in PRECISION_RUNS.items()}
+def precision_pairs(pstate: ParallelState, done: list[tuple[Config, dict[str, Any]]]) -> dict[str, Any]:
+    return {name: checked_once(pstate, make_cfg(**kw), done) for name, kw in PRECISION_RUNS.items()}
 
 
 EXTRAS = {"traffic": traffic, "model_state": model_state, "precision": precision_pairs}
+TAKES_DONE = {"precision"}  # extras that reuse the world's runs of equal configs

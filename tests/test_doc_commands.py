@@ -223,15 +223,18 @@ def programs(command: str) -> list[str]:
     return out
 
 
-def run_in_fresh_shell(commands: list[str], tmp_path, limit_s: int = 120) -> list[tuple[int, str]]:
+def run_in_fresh_shell(commands: list[str], tmp_path, limit_s: int = 120,
+                       first_limit_s: int | None = None) -> list[tuple[int, str]]:
     """(exit code, output) of each command, run one after another from the repository root by one bash
-    script; a command past ``limit_s`` is killed (exit 124: one that ignores --help and starts working)."""
+    script; a command past ``limit_s`` (the first: ``first_limit_s``, if given) is killed (exit 124: one that
+    ignores --help and starts working)."""
+    limits = [first_limit_s or limit_s] + [limit_s] * (len(commands) - 1)
     script = [f"cd {shlex.quote(ROOT)}"]
-    for i, command in enumerate(commands):
+    for i, (command, limit) in enumerate(zip(commands, limits)):
         out = shlex.quote(str(tmp_path / f"out{i}"))
-        script.append(f"timeout -k 5 {limit_s} bash -c {shlex.quote(command)} > {out} 2>&1 < /dev/null; "
+        script.append(f"timeout -k 5 {limit} bash -c {shlex.quote(command)} > {out} 2>&1 < /dev/null; "
                       f"echo $? > {out}.rc")
-    subprocess.run(["bash", "-c", "\n".join(script)], env=fresh_env(), timeout=len(commands) * (limit_s + 10),
+    subprocess.run(["bash", "-c", "\n".join(script)], env=fresh_env(), timeout=sum(limit + 10 for limit in limits),
                    check=True)
     results = []
     for i in range(len(commands)):
@@ -269,23 +272,42 @@ def python_argv(command: str) -> list[str] | None:
     return words[1:]
 
 
-def test_cheap_doc_commands_run_as_pasted(tmp_path) -> None:
-    """From one fresh shell: plain ``.venv/bin/python ...`` commands through tests/helpers/help_runner.py (one
-    interpreter, a fork per command, as for --help), every other command by bash as pasted."""
+@pytest.fixture(scope="module")
+def doc_runs(tmp_path_factory) -> dict:
+    """What the two tests below run, from one fresh shell and one tests/helpers/help_runner.py (one interpreter
+    that imports torch, dynamo and megazero, ~5 CPU-seconds, instead of one per test): the RUN doc commands
+    (plain ``.venv/bin/python ...`` ones forked by the runner, ``forked``; the others by bash as pasted,
+    ``shell``; their (exit code, output) in ``ran``) and ``--help`` of every entry point (``scripts``: Python
+    ones forked by the runner, shell scripts by bash; theirs in ``help``); ``runner``: the runner's own."""
+    tmp = tmp_path_factory.mktemp("doc-runs")
     commands = [c for c in doc_commands() if COMMANDS.get(c) == RUN]
-    assert commands, "no doc command is run"
     forked = [c for c in commands if python_argv(c) is not None]
     shell = [c for c in commands if c not in forked]
+    scripts = entry_points()
+    python, sh = [s for s in scripts if not s.endswith(".sh")], [s for s in scripts if s.endswith(".sh")]
+    argvs = [python_argv(c) for c in forked] + [[s, "--help"] for s in python]
+    (tmp / "py").mkdir()
+    (tmp / "argv").write_text("".join(json.dumps(argv) + "\n" for argv in argvs))
+    runner = (f"{VENV_PYTHON} tests/helpers/help_runner.py {shlex.quote(str(tmp / 'py'))} --argv "
+              f"{shlex.quote(str(tmp / 'argv'))}")
+    # the runner's limit: the two runners' it replaces (each child has its own 60 s alarm)
+    ran = run_in_fresh_shell([runner, *shell, *(f"bash {s} --help" for s in sh)], tmp, first_limit_s=240)
+    py = [(int((tmp / "py" / f"{i}.rc").read_text()), (tmp / "py" / str(i)).read_text(errors="replace"))
+          for i in range(len(argvs))] if ran[0][0] == 0 else [(-1, "")] * len(argvs)
+    return {"runner": ran[0], "commands": commands, "forked": forked, "shell": shell,
+            "ran": py[:len(forked)] + ran[1:1 + len(shell)], "scripts": python + sh,
+            "help": py[len(forked):] + ran[1 + len(shell):]}
+
+
+def test_cheap_doc_commands_run_as_pasted(doc_runs) -> None:
+    """From one fresh shell: plain ``.venv/bin/python ...`` commands through tests/helpers/help_runner.py (one
+    interpreter, a fork per command, as for --help), every other command by bash as pasted (``doc_runs``)."""
+    commands, forked, shell = doc_runs["commands"], doc_runs["forked"], doc_runs["shell"]
+    assert commands, "no doc command is run"
     assert forked and shell, (forked, shell)  # both paths stay exercised
-    (tmp_path / "py").mkdir()
-    (tmp_path / "argv").write_text("".join(json.dumps(python_argv(c)) + "\n" for c in forked))
-    runner = (f"{VENV_PYTHON} tests/helpers/help_runner.py {shlex.quote(str(tmp_path / 'py'))} --argv "
-              f"{shlex.quote(str(tmp_path / 'argv'))}")
-    ran = run_in_fresh_shell([runner, *shell], tmp_path)
-    assert ran[0][0] == 0, f"tests/helpers/help_runner.py failed:\n{ran[0][1][-1500:]}"
-    results = [(int((tmp_path / "py" / f"{i}.rc").read_text()), (tmp_path / "py" / str(i)).read_text(
-        errors="replace")) for i in range(len(forked))] + ran[1:]
-    failed = [f"$ {c}\n(exit {rc})\n{out[-1500:]}" for c, (rc, out) in zip(forked + shell, results)
+    assert doc_runs["runner"][0] == 0, f"tests/helpers/help_runner.py failed:\n{doc_runs['runner'][1][-1500:]}"
+    assert len(doc_runs["ran"]) == len(commands) == len(forked + shell)
+    failed = [f"$ {c}\n(exit {rc})\n{out[-1500:]}" for c, (rc, out) in zip(forked + shell, doc_runs["ran"])
               if rc != 0 or not out.strip()]
     assert not failed, "doc commands that fail in a fresh shell:\n" + "\n".join(failed)
 
@@ -312,19 +334,14 @@ def entry_points() -> list[str]:
     return ["pretrain_gpt.py"] + tools + sorted(named - set(tools) - {"pretrain_gpt.py"}) + sorted(modules)
 
 
-def test_help_of_every_entry_point(tmp_path) -> None:
+def test_help_of_every_entry_point(doc_runs) -> None:
     """Python scripts through tests/helpers/help_runner.py (one interpreter, a fork per script: torch is
-    imported once), shell scripts by bash; all from one fresh shell."""
-    scripts = entry_points()
+    imported once), shell scripts by bash; all from one fresh shell (``doc_runs``)."""
+    scripts = doc_runs["scripts"]
     assert {"tools/plan_memory.py", "tools/launch_slurm.sh", "bench.run"} <= set(scripts), scripts
-    python, shell = [s for s in scripts if not s.endswith(".sh")], [s for s in scripts if s.endswith(".sh")]
-    (tmp_path / "py").mkdir()
-    runner = f".venv/bin/python tests/helpers/help_runner.py {shlex.quote(str(tmp_path / 'py'))} " + " ".join(python)
-    ran = run_in_fresh_shell([runner] + [f"bash {s} --help" for s in shell], tmp_path)
-    assert ran[0][0] == 0, f"tests/helpers/help_runner.py failed:\n{ran[0][1][-1500:]}"
-    results = [((tmp_path / "py" / f"{i}.rc").read_text(), (tmp_path / "py" / str(i)).read_text(errors="replace"))
-               for i in range(len(python))] + ran[1:]
-    failed = [f"$ {s} --help\n(exit {rc})\n{out[-1500:]}" for s, (rc, out) in zip(python + shell, results)
+    assert doc_runs["runner"][0] == 0, f"tests/helpers/help_runner.py failed:\n{doc_runs['runner'][1][-1500:]}"
+    assert len(doc_runs["help"]) == len(scripts)
+    failed = [f"$ {s} --help\n(exit {rc})\n{out[-1500:]}" for s, (rc, out) in zip(scripts, doc_runs["help"])
               if int(rc) != 0 or "usage:" not in out.lower()]
     assert not failed, "--help that fails or prints no usage:\n" + "\n".join(failed)
 

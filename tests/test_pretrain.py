@@ -20,17 +20,45 @@ ARCH_FLAGS = {"gpt2": ["--arch", "gpt2"], "llama": ["--arch", "llama", "--num-qu
 SMOKE = dict(fresh=True)
 
 
-def _losses(tmp_path, name: str, nproc: int, extra: list[str], smoke: bool = False) -> list[float]:
-    records = train_records(tmp_path / f"{name}.jsonl", [*SMALL, *extra], nproc, **(SMOKE if smoke else {}))
+def _check_records(records: list[dict]) -> list[float]:
     assert [r["iteration"] for r in records] == list(range(1, 11))
     for r in records:
         assert {"loss", "lr", "grad_norm", "tokens_per_sec"} <= r.keys()
     return [r["loss"] for r in records]
 
 
+def _losses(tmp_path, name: str, nproc: int, extra: list[str]) -> list[float]:
+    return _check_records(train_records(tmp_path / f"{name}.jsonl", [*SMALL, *extra], nproc))
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> dict:
+    """The smoke launch (``SMOKE``), once for two tests: one fresh rank trains gpt2 at ``SMALL`` (the serial run of
+    ``test_losses_match_across_layouts[gpt2]``), evaluates and saves at its last iteration (evaluation and saving
+    leave the training's losses as they are), with the interpreter's import log (PYTHONPROFILEIMPORTTIME) on
+    stderr for ``test_a_run_without_compile_never_imports_dynamo``."""
+    tmp = tmp_path_factory.mktemp("smoke")
+    flags = [*SMALL, *ARCH_FLAGS["gpt2"], "--eval-interval", "10", "--eval-iters", "1", "--save", str(tmp / "ckpt"),
+             "--save-interval", "10", "--metrics-file", str(tmp / "tp1.jsonl")]
+    (rank,) = launch("pretrain_gpt.py", flags, 1, env={"PYTHONPROFILEIMPORTTIME": "1"}, **SMOKE)
+    records = [json.loads(line) for line in open(tmp / "tp1.jsonl").read().splitlines()] if rank.returncode == 0 else []
+    return {"rank": rank, "records": records, "ckpt": tmp / "ckpt"}
+
+
+def _smoke_rank(smoke_run: dict):
+    rank = smoke_run["rank"]
+    assert rank.returncode == 0, rank.stderr[-3000:]
+    return rank
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_losses_match_across_layouts(tmp_path, arch):
-    serial = _losses(tmp_path, "tp1", 1, ARCH_FLAGS[arch], smoke=arch == "gpt2")  # one fresh rank
+def test_losses_match_across_layouts(tmp_path, arch, request):
+    if arch == "gpt2":  # one fresh rank: the smoke launch
+        smoke = request.getfixturevalue("smoke_run")
+        _smoke_rank(smoke)
+        serial = _check_records([r for r in smoke["records"] if "event" not in r])
+    else:
+        serial = _losses(tmp_path, "tp1", 1, ARCH_FLAGS[arch])
     for name, nproc, flags in (("tp2", 2, ["--tp", "2"]), ("tp2dp2", 4, ["--tp", "2"])):
         losses = _losses(tmp_path, name, nproc, [*ARCH_FLAGS[arch], *flags])
         for it, (a, b) in enumerate(zip(losses, serial), start=1):
@@ -38,14 +66,14 @@ def test_losses_match_across_layouts(tmp_path, arch):
     assert serial[-1] < serial[0], "loss should fall over 10 iterations"
 
 
-def test_a_run_without_compile_never_imports_dynamo(tmp_path):
+def test_a_run_without_compile_never_imports_dynamo(smoke_run):
     """``torch._dynamo`` is ~1.5 of a rank's ~4 CPU-seconds of imports: only --compile may pull it in (a
     ``torch.compiler.disable`` at import time did, in every rank of every run). The interpreter's import log
-    (PYTHONPROFILEIMPORTTIME) of a fresh rank that trains, evaluates and saves names every module it loaded."""
-    flags = [*SMALL[:-8], "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
-             "--save", str(tmp_path / "ckpt"), "--save-interval", "2"]
-    (rank,) = launch("pretrain_gpt.py", flags, 1, env={"PYTHONPROFILEIMPORTTIME": "1"}, **SMOKE)
-    assert rank.returncode == 0, rank.stderr[-2000:]
+    (PYTHONPROFILEIMPORTTIME) of a fresh rank that trains, evaluates and saves (``smoke_run``) names every module
+    it loaded."""
+    rank = _smoke_rank(smoke_run)
+    assert [r["iteration"] for r in smoke_run["records"] if r.get("event") == "eval"] == [10]
+    assert (smoke_run["ckpt"] / "iter_0000010").is_dir()  # it evaluated and saved
     imported = [line.rsplit("|", 1)[-1].strip() for line in rank.stderr.splitlines() if line.startswith("import time:")]
     assert "megazero.training.run" in imported and "torch.nn" in imported  # the log is there
     assert not [m for m in imported if m.startswith("torch._dynamo")], "a plain run imported torch._dynamo"

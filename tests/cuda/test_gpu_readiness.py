@@ -22,7 +22,7 @@ from megazero.data import to_device
 from megazero.training.device_setup import CUBLAS_WORKSPACE, MAX_CONNECTIONS, prepare_cuda_env
 from tests.helpers.collective_checks import collective_problems, collective_results
 from tests.helpers.dist import spawn
-from tests.helpers.launch import ROOT, run_python
+from tests.helpers.launch import ROOT, TEST_VOCAB, run_python, small_corpus_args
 
 
 def env_for(flags: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
@@ -53,11 +53,13 @@ def test_collective_checks_pass_on_gloo():
 
 
 def gpu_mfu_on_cpu(tmp_path, *flags: str) -> tuple[list[str], list[dict]]:
-    """bench/gpu_mfu.py on the tiny model on the CPU: its stdout lines and the trainer's step records."""
+    """bench/gpu_mfu.py on the tiny model on the CPU: its stdout lines and the trainer's step records. The
+    arithmetic checked does not depend on the vocabulary: the run trains on the small corpus (vocabulary 512,
+    ``small_corpus_args``; the bench passes unknown flags to the run), not the default corpus's 8000."""
     metrics = tmp_path / "mfu.jsonl"
-    out = run_python(["bench/gpu_mfu.py", "--device", "cpu", "--config", "configs/tiny.yaml", "--vocab-size", "8000",
-                      "--micro-batch-size", "2", "--warmup", "1", "--iters", "2", "--peak-tflops", "0.5",
-                      "--metrics-file", str(metrics), *flags], timeout=600)
+    out = run_python(["bench/gpu_mfu.py", "--device", "cpu", "--config", "configs/tiny.yaml", "--vocab-size",
+                      str(TEST_VOCAB), *small_corpus_args(), "--micro-batch-size", "2", "--warmup", "1", "--iters",
+                      "2", "--peak-tflops", "0.5", "--metrics-file", str(metrics), *flags], timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     steps = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
     return out.stdout.splitlines(), steps

@@ -22,7 +22,9 @@ from megazero.training.run import run
 from tests.helpers.dist import spawn
 from tests.helpers.optimizer_harness import SyntheticBatches, build, make_cfg
 
-ITERS = 50
+# The bar (the last 5 iterations' mean loss at least 1.0 below the first 5's) holds with a margin of 0.69 at 30
+# iterations (8.853 -> 7.165, both precisions; 0.92 at 50): 30 is enough to show the training works.
+ITERS = 30
 
 
 def train_builtin(pstate, flags: dict, metrics_file: str) -> list[float]:

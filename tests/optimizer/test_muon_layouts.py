@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from megazero.config import Config
 from megazero.model.gpt import GPTModel
@@ -28,10 +27,9 @@ from megazero.model.transformer import TPContext
 from megazero.optimizer.muon import matrices_of, split_parameters
 from megazero.parallel.state import ParallelState
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import layout_of, serial_config, state_for
+from tests.helpers.moe_runs import layout_of, serial_records, state_for
 from tests.helpers.muon_runs import dense, moe, muon_bytes, records
 from tests.helpers.optimizer_harness import train
-from tests.helpers.session_cache import cached
 from tests.helpers.tiny_config import degrees
 
 ITERS, WORLD, TOL = 20, 4, 1e-5
@@ -76,18 +74,10 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config]]) -> dict[str,
     return out
 
 
-def _serial_records(cfg: Config) -> list[tuple[float, float]]:
-    return records(train(ParallelState.serial(), cfg))
-
-
 def serial_references(runs: list[tuple[str, Config]]) -> dict[str, list[tuple[float, float]]]:
-    """Each run's one-process records, on one thread as every spawned rank runs (once per session per config)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return {key: cached(_serial_records, serial_config(cfg)) for key, cfg in runs}
-    finally:
-        torch.set_num_threads(threads)
+    """Each run's one-process records, on one thread as every spawned rank runs (``moe_runs.serial_records``: once
+    per session per config, shared with every file that asks it for the same one-process config)."""
+    return dict(zip([key for key, _ in runs], serial_records([cfg for _, cfg in runs])))
 
 
 def mismatches(got: list[tuple[float, float]], want: list[tuple[float, float]], tag: str,

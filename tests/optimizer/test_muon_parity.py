@@ -34,12 +34,11 @@ from megazero.run_plan import RunPlan
 from megazero.tensor_parallel.layers import initialize_parameters
 from tests.helpers.compare import rel_err
 from tests.helpers.dist import spawn
-from tests.helpers.moe_runs import serial_config, state_for
+from tests.helpers.moe_runs import serial_records, state_for
 from tests.helpers.muon_runs import ADAM_LR, ITERS, MUON_LR, muon_cfg, records
 from tests.helpers.muon_runs import muon_bytes as muon_bytes_of
 from tests.helpers.optimizer_harness import SyntheticBatches, train
 from tests.helpers.reference import param_groups
-from tests.helpers.session_cache import cached
 from tests.helpers.tiny_config import degrees
 
 CLIP = 0.05
@@ -137,22 +136,15 @@ def run_many(pstate: ParallelState, runs: list[tuple[str, Config, bool]]) -> dic
     return out
 
 
-def serial_records(cfg: Config) -> list[tuple[float, float]]:
-    return records(train(ParallelState.serial(), cfg))
-
-
 @pytest.fixture(scope="module")
 def world() -> list[dict[str, list[dict[str, Any]]]]:
     return spawn(run_many, 2, RUNS)
 
 
 def test_two_ranks_train_what_one_process_trains(world):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as every spawned rank runs
-    try:
-        serial = {key: cached(serial_records, serial_config(cfg)) for key, cfg, _ in RUNS}
-    finally:
-        torch.set_num_threads(threads)
+    # one thread, as every spawned rank runs; once per session per config, shared with every file that asks
+    # moe_runs.serial_records for the same one-process config (test_muon_offload's)
+    serial = dict(zip([key for key, _, _ in RUNS], serial_records([cfg for _, cfg, _ in RUNS])))
     bad = {}
     for rank, per_run in enumerate(world):
         for key, runs in per_run.items():

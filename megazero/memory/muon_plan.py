@@ -17,7 +17,8 @@ steps in ``tests/memory/test_muon_memory.py``.
 
 Workspace. ``optimizer.muon.orthogonalise`` on an (m, n) matrix with m <= n (a tall one is transposed) holds at
 its peak the iterate X and the next one (m n each) with A = X X^T and B = bA + cA^2 (m^2 each):
-2 m n + 2 m^2 elements of the NS dtype (fp32), its result included (measured op by op in that test). NS runs on
+2 m n + 2 m^2 elements of the NS dtype (``--muon-ns-dtype``: 4 bytes in fp32, 2 in bf16), its result included
+(measured op by op in that test). NS runs on
 the matrix's owner after the backward has freed the activations, one matrix at a time, so a stage's figure is
 the workspace of its largest Muon matrix: the rank that owns that matrix needs it (``ns_workspace_bytes``).
 Not counted: the step's gathered directions and NS outputs (``muon_shards``), which the communication formula
@@ -33,14 +34,13 @@ import torch
 
 from ..config import Config, ModelConfig, Placement
 from ..model.transformer import TPContext, TransformerBlock
-from ..optimizer.muon import matrices_of, matrix_shape, takes_muon
+from ..optimizer.muon import NS_DTYPES, matrices_of, matrix_shape, takes_muon
 from ..run_plan import RunPlan
 from ..tensor_parallel.layers import spec_of
 from .offload import OffloadBytes
 from .zero3 import PeakState
 
 MUON_MOMENTS_ALLOCATED = 1  # exp_avg (the momentum); exp_avg_sq only for the AdamW-trained elements
-NS_DTYPE_BYTES = 4  # NS runs in fp32 (MuonHyper.ns_dtype)
 
 
 def uses_muon(cfg: Config) -> bool:
@@ -110,13 +110,18 @@ def block_matrix_shapes(cfg: ModelConfig, layer_id: int) -> tuple[tuple[int, int
     return tuple(shapes)
 
 
+def ns_dtype_bytes(cfg: Config) -> int:
+    """Bytes per element of the dtype NS runs in (``--muon-ns-dtype``, ``MuonHyper.ns_dtype``)."""
+    return NS_DTYPES[cfg.optimizer.muon_ns_dtype].itemsize
+
+
 def ns_workspace_bytes(cfg: Config, layer_ids: list[int]) -> int:
     """Bytes of the NS workspace of the largest Muon matrix in blocks ``layer_ids`` (0 for AdamW)."""
     if not uses_muon(cfg):
         return 0
     kinds = {cfg.model.num_experts is not None and cfg.model.is_moe_layer(i): i for i in layer_ids}
     shapes = [s for i in kinds.values() for s in block_matrix_shapes(cfg.model, i)]
-    return NS_DTYPE_BYTES * max((ns_workspace_elements(s) for s in shapes), default=0)
+    return ns_dtype_bytes(cfg) * max((ns_workspace_elements(s) for s in shapes), default=0)
 
 
 def muon_lines(cfg: Config, workspace_bytes: float, stages: Sequence[Any] = ()) -> list[str]:
@@ -124,8 +129,10 @@ def muon_lines(cfg: Config, workspace_bytes: float, stages: Sequence[Any] = ()) 
     Muon's gathers and scatters send per step (``muon_traffic``; none for AdamW)."""
     if not uses_muon(cfg):
         return []
+    ns_dtype = cfg.optimizer.muon_ns_dtype
     lines = [f"optimizer: muon; state one fp32 moment per Muon-trained element (AdamW's two for the rest); NS "
-             f"workspace of the largest matrix {workspace_bytes / 2**20:.2f} MiB (2mn + 2m^2 fp32, after the backward)"]
+             f"workspace of the largest matrix {workspace_bytes / 2**20:.2f} MiB (2mn + 2m^2 {ns_dtype}, after the "
+             "backward)"]
     if stages:
         sent = [st.muon_step_bytes for st in stages]
         lines.append(f"muon traffic: its owner gathers and scatters send {_size(max(sent))} per step (the busiest "

@@ -5,7 +5,8 @@
   bytes of every rank are within 2% of the measured ones (bucket padding), as there.
 - NS workspace: every Newton-Schulz call of those steps runs under a dispatch mode that sums the storages alive
   after each op (``LiveBytes``); the most one call held on any rank equals the plan's ``ns_workspace_bytes``
-  exactly, and no rank exceeds it. The formula 2mn + 2m^2 is also checked alone on square, wide and tall matrices.
+  exactly, and no rank exceeds it, with NS in fp32 and, as torch.optim.Muon runs it, in bf16 (``--muon-ns-dtype``:
+  half the bytes). The formula 2mn + 2m^2 is also checked alone on square, wide and tall matrices, in both dtypes.
 - Search: with ``--optimizer muon`` the layout search lists exactly the layouts it lists for AdamW that
   ``Config.refuse_unbuilt_muon`` takes (offload variants included), and none that it refuses.
 """
@@ -32,7 +33,7 @@ from tests.helpers.step_meter import measure_steps
 
 TOL = 0.02
 KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes")
-CASES = [(0, "fp32"), (1, "fp32"), (1, "bf16"), (2, "bf16")]
+CASES = [(0, "fp32", "fp32"), (1, "fp32", "fp32"), (1, "bf16", "fp32"), (2, "bf16", "fp32"), (1, "bf16", "bf16")]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -55,12 +56,12 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def muon_config(zero: int, precision: str) -> Config:
+def muon_config(zero: int, precision: str, ns_dtype: str) -> Config:
     return Config.from_flat({
         "arch": "llama", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
         "ffn_hidden_size": 160, "seq_length": 16, "vocab_size": 1000, "zero": zero, "bf16": precision == "bf16",
         "micro_batch_size": 2, "global_batch_size": 8, "device": "cpu", "bucket_size": 3000, "seed": 5,
-        "optimizer": "muon", "lr": 0.02})
+        "optimizer": "muon", "lr": 0.02, "muon_ns_dtype": ns_dtype})
 
 
 def run_cases(pstate) -> list[dict[str, Any]]:
@@ -102,12 +103,13 @@ def test_planner_matches_muon_steps_dp2():
     assert not bad, "\n".join(bad)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(48, 48), (32, 80), (80, 32)])
-def test_ns_workspace_formula_is_what_newton_schulz_holds(shape):
+def test_ns_workspace_formula_is_what_newton_schulz_holds(shape, dtype):
     G = torch.randn(*shape)
     with LiveBytes() as live:
-        newton_schulz(G)
-    assert live.peak == 4 * ns_workspace_elements(shape)
+        newton_schulz(G, dtype=dtype)
+    assert live.peak == dtype.itemsize * ns_workspace_elements(shape)
 
 
 def _key(c) -> tuple:

@@ -185,6 +185,12 @@ def test_dry_run_muon_lines_are_the_planners(capsys):
     assert traffic.group(1) == f"{muon_step_bytes(cfg, run, 0) / 2**20:.2f}" and muon_step_bytes(cfg, run, 0) > 0
     muon_elements = cfg.model.num_layers * (3 * h * h + h * h + 2 * 4 * h * h)  # qkv, proj, fc1, fc2
     assert one_moment_saving(cfg, run, layers) == 4 * muon_elements / 4  # one moment fewer, sharded over dp 4
+    # NS in bf16 (torch.optim.Muon's dtype): the same matrix at 2 bytes an element, and the line says so
+    assert pretrain_gpt.main([*DRY_RUN, "--muon-ns-dtype", "bf16"]) == 0
+    half = re.search(r"NS workspace of the largest matrix ([\d.]+) MiB \(2mn \+ 2m\^2 bf16", capsys.readouterr().out)
+    bf16 = with_vocabulary(pretrain_gpt._parse([*DRY_RUN, "--muon-ns-dtype", "bf16"])[0])
+    assert ns_workspace_bytes(bf16, layers) == 2 * (2 * 4 * h * h + 2 * h * h)
+    assert half and half.group(1) == f"{ns_workspace_bytes(bf16, layers) / 2**20:.2f}"
 
 
 def _train(tmp, name: str, nproc: int, flags: list[str]) -> list[dict]:

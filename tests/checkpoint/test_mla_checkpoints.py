@@ -15,13 +15,10 @@ import dataclasses
 from typing import Any
 
 import pytest
-import torch
 
 from megazero.config import Config
-from megazero.parallel.state import ParallelState
-from tests.helpers.dist import spawn
-from tests.helpers.moe_ckpt import KINDS, full_contents, layout_state, moe_cfg, round_trip
-from tests.helpers.resume import SAVED_AT, segment
+from tests.helpers.ckpt_chain import assert_every_checkpoint_is_the_origin, origin_tensors, walk_chain
+from tests.helpers.moe_ckpt import KINDS, moe_cfg
 
 CHAIN: dict[str, dict[str, Any]] = {
     "tp2.z1": dict(tp=2, zero=1),
@@ -47,28 +44,13 @@ def mla_cfg(**layout: Any) -> Config:
     return dataclasses.replace(base, model=model)
 
 
-def world(pstate: ParallelState, ck: str) -> None:
-    """Each CHAIN layout loads the previous one's checkpoint and saves its own."""
-    source = f"{ck}/serial"
-    for name, layout in CHAIN.items():
-        cfg = mla_cfg(**layout)
-        round_trip(layout_state(4, cfg), cfg, source, f"{ck}/{name}")
-        source = f"{ck}/{name}"
-
-
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> str:
-    ck = str(tmp_path_factory.mktemp("mla_ckpt"))
-    serial = ParallelState.serial()
-    segment(serial, mla_cfg(mbs=8, iters=SAVED_AT), save=f"{ck}/serial.trained")
-    round_trip(serial, mla_cfg(mbs=8), f"{ck}/serial.trained", f"{ck}/serial")
-    spawn(world, 4, ck)
-    round_trip(serial, mla_cfg(mbs=8), f"{ck}/{list(CHAIN)[-1]}", f"{ck}/serial.end")
-    return ck
+    return walk_chain(str(tmp_path_factory.mktemp("mla_ckpt")), CHAIN, mla_cfg)
 
 
 def test_mla_moe_round_trips_across_layouts_are_bitwise(ck):
-    origin = {k: v for k, v in full_contents(f"{ck}/serial").items() if isinstance(v, torch.Tensor)}
+    origin = origin_tensors(ck)
     assert not any(t.isnan().any() for t in origin.values())
     for part in ("q_down", "kv_norm", "kv_up", ".experts."):
         assert any(part in k for k in origin), part
@@ -78,13 +60,4 @@ def test_mla_moe_round_trips_across_layouts_are_bitwise(ck):
         assert all(k in origin for k in names), part
         assert origin[f"optim/mtp.0.{part}/exp_avg"].abs().max() > 0, part  # trained, not just initialised
     assert origin["model/mtp.0.block.mlp.router.expert_bias"].abs().max() > 0  # its expert bias moved as well
-    for name in [*CHAIN, "serial.end"]:
-        got = full_contents(f"{ck}/{name}")
-        assert got["scalars"] == full_contents(f"{ck}/serial")["scalars"], name
-        want = {**dict(tp=1, ep=1, pp=1, cp=1, zero=0), **CHAIN.get(name, {})}
-        assert {k: got["layout"][k] for k in ("tp", "ep", "pp", "cp", "zero")} == \
-            {k: want[k] for k in ("tp", "ep", "pp", "cp", "zero")}, name
-        tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
-        assert tensors.keys() == origin.keys(), name
-        for key, t in origin.items():
-            assert torch.equal(tensors[key], t), f"{name}: {key}"
+    assert_every_checkpoint_is_the_origin(ck, CHAIN)

@@ -11,13 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from megazero.config import Config
-from megazero.parallel.state import ParallelState
-from tests.helpers.dist import spawn
-from tests.helpers.moe_ckpt import full_contents, layout_state, round_trip
-from tests.helpers.resume import SAVED_AT, cfg_for, segment
+from tests.helpers.ckpt_chain import assert_every_checkpoint_is_the_origin, origin_tensors, walk_chain
+from tests.helpers.resume import cfg_for
 
 CHAIN: dict[str, dict[str, Any]] = {
     "tp2.z1": dict(tp=2, zero=1),
@@ -34,37 +31,16 @@ def mtp_cfg(*, cp: int = 1, tp: int = 1, mbs: int = 2, **layout: Any) -> Config:
                    mbs=mbs, **layout)
 
 
-def world(pstate: ParallelState, ck: str) -> None:
-    """Each CHAIN layout loads the previous one's checkpoint and saves its own."""
-    source = f"{ck}/serial"
-    for name, layout in CHAIN.items():
-        cfg = mtp_cfg(**layout)
-        round_trip(layout_state(4, cfg), cfg, source, f"{ck}/{name}")
-        source = f"{ck}/{name}"
-
-
 @pytest.fixture(scope="module")
 def ck(tmp_path_factory) -> str:
-    ck = str(tmp_path_factory.mktemp("mtp_ckpt"))
-    serial = ParallelState.serial()
-    segment(serial, mtp_cfg(mbs=8, iters=SAVED_AT), save=f"{ck}/serial.trained")
-    round_trip(serial, mtp_cfg(mbs=8), f"{ck}/serial.trained", f"{ck}/serial")
-    spawn(world, 4, ck)
-    round_trip(serial, mtp_cfg(mbs=8), f"{ck}/{list(CHAIN)[-1]}", f"{ck}/serial.end")
-    return ck
+    return walk_chain(str(tmp_path_factory.mktemp("mtp_ckpt")), CHAIN, mtp_cfg)
 
 
 def test_mtp_round_trips_across_layouts_are_bitwise(ck):
-    origin = {k: v for k, v in full_contents(f"{ck}/serial").items() if isinstance(v, torch.Tensor)}
+    origin = origin_tensors(ck)
     assert not any(t.isnan().any() for t in origin.values())
     for part in ("eh_proj.weight", "enorm.weight", "hnorm.weight", "final_norm.weight", "block.mlp.fc1.weight"):
         for k in (0, 1):
             assert f"model/mtp.{k}.{part}" in origin and f"optim/mtp.{k}.{part}/exp_avg" in origin, (k, part)
     assert origin["optim/mtp.1.eh_proj.weight/exp_avg"].abs().max() > 0  # trained, not just initialised
-    for name in [*CHAIN, "serial.end"]:
-        got = full_contents(f"{ck}/{name}")
-        assert got["scalars"] == full_contents(f"{ck}/serial")["scalars"], name
-        tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
-        assert tensors.keys() == origin.keys(), name
-        for key, t in origin.items():
-            assert torch.equal(tensors[key], t), f"{name}: {key}"
+    assert_every_checkpoint_is_the_origin(ck, CHAIN)

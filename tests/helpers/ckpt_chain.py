@@ -18,6 +18,8 @@ from tests.helpers.moe_ckpt import full_contents, layout_state, round_trip
 from tests.helpers.resume import SAVED_AT, segment
 
 CfgOf = Callable[..., Config]
+WORLD = 4  # the ranks every chain layout is saved at
+LAYOUT_KEYS = ("tp", "ep", "pp", "cp", "zero")  # what a checkpoint records of the layout that saved it
 
 
 def walk(pstate: ParallelState, ck: str, chain: dict[str, dict[str, Any]], cfg_of: CfgOf) -> None:
@@ -25,7 +27,7 @@ def walk(pstate: ParallelState, ck: str, chain: dict[str, dict[str, Any]], cfg_o
     source = f"{ck}/serial"
     for name, layout in chain.items():
         cfg = cfg_of(**layout)
-        round_trip(layout_state(4, cfg), cfg, source, f"{ck}/{name}")
+        round_trip(layout_state(WORLD, cfg), cfg, source, f"{ck}/{name}")
         source = f"{ck}/{name}"
 
 
@@ -34,27 +36,31 @@ def walk_chain(ck: str, chain: dict[str, dict[str, Any]], cfg_of: CfgOf) -> str:
     serial = ParallelState.serial()
     segment(serial, cfg_of(mbs=8, iters=SAVED_AT), save=f"{ck}/serial.trained")
     round_trip(serial, cfg_of(mbs=8), f"{ck}/serial.trained", f"{ck}/serial")
-    spawn(walk, 4, ck, chain, cfg_of)
+    spawn(walk, WORLD, ck, chain, cfg_of)
     round_trip(serial, cfg_of(mbs=8), f"{ck}/{list(chain)[-1]}", f"{ck}/serial.end")
     return ck
 
 
+def _tensors(contents: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in contents.items() if isinstance(v, torch.Tensor)}
+
+
 def origin_tensors(ck: str) -> dict[str, torch.Tensor]:
     """The origin checkpoint's tensors, read without megazero's loader."""
-    return {k: v for k, v in full_contents(f"{ck}/serial").items() if isinstance(v, torch.Tensor)}
+    return _tensors(full_contents(f"{ck}/serial"))
 
 
 def assert_every_checkpoint_is_the_origin(ck: str, chain: dict[str, dict[str, Any]]) -> None:
     """Every chain checkpoint and ``serial.end`` record the layout that saved them and hold exactly the origin's
     tensors and scalars."""
-    origin, scalars = origin_tensors(ck), full_contents(f"{ck}/serial")["scalars"]
+    contents = full_contents(f"{ck}/serial")  # read once: the origin's tensors and scalars
+    origin, scalars = _tensors(contents), contents["scalars"]
     for name in [*chain, "serial.end"]:
         got = full_contents(f"{ck}/{name}")
         assert got["scalars"] == scalars, name
         want = {**dict(tp=1, ep=1, pp=1, cp=1, zero=0), **chain.get(name, {})}
-        keys = ("tp", "ep", "pp", "cp", "zero")
-        assert {k: got["layout"][k] for k in keys} == {k: want[k] for k in keys}, name
-        tensors = {k: v for k, v in got.items() if isinstance(v, torch.Tensor)}
+        assert {k: got["layout"][k] for k in LAYOUT_KEYS} == {k: want[k] for k in LAYOUT_KEYS}, name
+        tensors = _tensors(got)
         assert tensors.keys() == origin.keys(), name
         for key, t in origin.items():
             assert torch.equal(tensors[key], t), f"{name}: {key}"

@@ -3,7 +3,7 @@
 The kill-and-resume test runs one command line on 2 ranks (dp 2, zero 1): once through
 tools/launch_slurm.sh with a fake one-node Slurm environment, uninterrupted (the reference, shared
 by the module), and then under ``torchrun --max-restarts 1`` with static and with c10d rendezvous,
-each with and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, where the test SIGKILLs rank 1 as soon
+c10d with and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (static ignores it), where the test SIGKILLs rank 1 as soon
 as a checkpoint at iteration >= 4 is published. torchrun restarts both workers; they resume from
 ``latest``. The metrics file is appended to by every start, so the interrupted run's file holds
 iterations 1..m and then K+1..N again (K = the checkpoint it resumed from); the test compares the
@@ -202,12 +202,31 @@ RENDEZVOUS = {"static": lambda: ["--nnodes", "1", "--node_rank", "0", "--master_
               "c10d": lambda: ["--standalone"]}
 
 
-@pytest.mark.parametrize("share", ["shared", "unshared"])
-@pytest.mark.parametrize("rdzv", sorted(RENDEZVOUS))
+def test_only_c10d_rendezvous_honours_the_share_variable(monkeypatch):
+    """Why static rendezvous is killed once, not also with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: its handler, built
+    from torchrun's own arguments as the agent builds it, shares the agent's store whatever the variable says (the
+    workers would run what ``static-shared`` runs), where c10d's handler honours it (``c10d-unshared`` differs)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.run import config_from_args, parse_args
+
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))  # config_from_args sets it
+    c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--nnodes", "1"]
+    for args, shares in ((RENDEZVOUS["static"](), True), (c10d, False)):
+        config, *_ = config_from_args(parse_args([*args, "--nproc_per_node", "2", "pretrain_gpt.py"]))
+        params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                      run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                      local_addr=config.local_addr, **config.rdzv_configs)
+        handler = rendezvous_handler_registry.create_handler(params)
+        assert handler.use_agent_store is shares, config.rdzv_backend
+        handler.shutdown()
+
+
+@pytest.mark.parametrize(("rdzv", "share"), [("c10d", "shared"), ("c10d", "unshared"), ("static", "shared")])
 def test_killed_worker_restarts_and_resumes_to_the_same_losses(tmp_path, reference, rdzv, share):
     """No environment workaround needed: the restart resumes bitwise with or without the variable.
 
-    ``unshared`` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which static rendezvous ignores). A short
+    ``unshared`` sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (static rendezvous ignores it: the test above). A short
     --distributed-timeout-minutes bounds a restart that cannot connect (the bug this guards against).
     """
     want, env = reference

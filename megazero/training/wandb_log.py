@@ -53,7 +53,13 @@ class WandbRun:
         self.run.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
 
     def finish(self) -> None:
+        """Finish the run and wait for wandb's service to write it: pretrain_gpt.py leaves with ``os._exit``,
+        which skips the atexit hook where wandb would otherwise wait, and a run left to that race kept only
+        its file's header (seen under load, 2026-12-04)."""
+        import wandb
+
         self.run.finish()
+        wandb.teardown()
 
     def describe(self) -> str:
         """Where the run is written and, offline, how to upload it."""
